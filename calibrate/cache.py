@@ -1,0 +1,129 @@
+"""The KV cache: the one seam between models and everything else.
+
+A model never keeps its own keys and values. For every layer and every generated frame it
+hands the cache the frame's queries, (pre-rotary) keys and values and the rotary encoding of
+those keys, and gets back the attention output over everything the cache holds:
+
+    out_BHTD = cache.attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
+
+`attend` appends the frame's K/V to the layer's history (applying the rotary encoding at the
+moment the implementation chooses: full-precision caches store post-rotary keys), evicts
+what the token policy no longer keeps, and runs softmax attention of `q` over the kept
+frames, the new frame included. Recording, fake quantization, the packed runtime, windows,
+sink frames and refresh policies are all implementations of this one class; the model does
+not know which one it has.
+
+Shape legend: B batch (trajectories rolled out together), H kv heads, T tokens of one frame,
+D head_dim, N cached tokens (frames x T), F cached frames.
+
+Token policy of the full-precision cache: the first `sink_frames` frames ever appended stay
+forever (attention sinks / anchors, as in LongLive and Self-Forcing); of the rest only the
+newest `window` frames are kept (the new frame counts as one of them). Frames are numbered by
+the order of their append, from 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A rotary encoding: rotate pairs (2i, 2i+1) of the last axis by `angles[..., i]`.
+
+    `angles_BTA` has A = D/2 angles per token and broadcasts over heads. Orthogonal, so
+    `q.k` after rotation depends only on the angle difference of query and key.
+    """
+
+    angles_BTA: Tensor
+
+    def apply(self, x_BHTD: Tensor) -> Tensor:
+        cos = self.angles_BTA.cos().unsqueeze(1)
+        sin = self.angles_BTA.sin().unsqueeze(1)
+        x0, x1 = x_BHTD[..., 0::2], x_BHTD[..., 1::2]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return out.flatten(-2)
+
+
+def kept_frames(num_appended: int, window: int, sink_frames: int) -> list[int]:
+    """Indices of the frames a sink+window policy holds after `num_appended` appends."""
+    sinks = list(range(min(sink_frames, num_appended)))
+    recent_start = max(sink_frames, num_appended - window)
+    return sinks + list(range(recent_start, num_appended))
+
+
+def softmax_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor) -> Tensor:
+    """Plain scaled dot-product attention of one frame's queries over the cached tokens."""
+    scale = 1.0 / math.sqrt(q_BHTD.shape[-1])
+    logits_BHTN = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_BHND) * scale
+    return torch.einsum("bhtn,bhnd->bhtd", logits_BHTN.softmax(dim=-1), v_BHND)
+
+
+class KVCache:
+    """Base class and the full-precision implementation (sink frames + rolling window).
+
+    Subclasses change how a frame is stored (`_store`) and read back (`_load`) or override
+    `attend` as a whole; the eviction bookkeeping lives here once.
+    """
+
+    def __init__(self, num_layers: int, window: int = 16, sink_frames: int = 1):
+        if window < 1:
+            raise ValueError(f"cache window must be >= 1 frame, got {window}")
+        if sink_frames < 0:
+            raise ValueError(f"cache sink_frames must be >= 0, got {sink_frames}")
+        self.num_layers = num_layers
+        self.window = window
+        self.sink_frames = sink_frames
+        # per layer: frame index -> whatever the implementation stores for that frame
+        self._frames: list[dict[int, object]] = [{} for _ in range(num_layers)]
+        self._num_appended = [0] * num_layers
+
+    # ---- the seam -------------------------------------------------------------------
+    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        """Append this frame's K/V to `layer`, evict, and attend `q` over what is kept."""
+        self.append(layer, k_BHTD, v_BHTD, key_rope)
+        k_BHND, v_BHND = self.read(layer)
+        return softmax_attention(q_BHTD, k_BHND, v_BHND)
+
+    def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
+        """Store one frame's keys (pre-rotary) and values; returns the frame's index."""
+        index = self._num_appended[layer]
+        self._frames[layer][index] = self._store(layer, index, key_rope.apply(k_BHTD), v_BHTD)
+        self._num_appended[layer] = index + 1
+        keep = set(kept_frames(index + 1, self.window, self.sink_frames))
+        for old in [f for f in self._frames[layer] if f not in keep]:
+            del self._frames[layer][old]
+        return index
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Post-rotary keys and values of the kept frames, oldest first: (k_BHND, v_BHND)."""
+        loaded = [self._load(layer, f, self._frames[layer][f]) for f in self.frame_indices(layer)]
+        return torch.cat([k for k, _ in loaded], dim=2), torch.cat([v for _, v in loaded], dim=2)
+
+    def frame_indices(self, layer: int = 0) -> list[int]:
+        """Indices of the frames currently held for `layer`, oldest first."""
+        return sorted(self._frames[layer])
+
+    @property
+    def num_frames_seen(self) -> int:
+        return self._num_appended[0]
+
+    # ---- storage (full precision) ----------------------------------------------------
+    def _store(self, layer: int, index: int, k_BHTD: Tensor, v_BHTD: Tensor) -> object:
+        return (k_BHTD, v_BHTD)
+
+    def _load(self, layer: int, index: int, stored: object) -> tuple[Tensor, Tensor]:
+        return stored  # type: ignore[return-value]
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this cache holds right now, counted from the tensors."""
+        total = 0
+        for frames in self._frames:
+            for stored in frames.values():
+                for t in stored:  # type: ignore[union-attr]
+                    total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,341 @@
+"""The recipe file (format v1): what to quantize how, self-describing, validated on load.
+
+A recipe is one `.safetensors` file. Its `__metadata__` holds JSON strings (`model`, `scheme`,
+`calibration`, `metrics`, `memory`) and its tensors hold the fitted parameters, named
+`layers.{i}.{k|v}.<role>`. `recipes/FORMAT.md` is the normative description; this module is
+the reference writer and loader.
+
+The scheme (JSON) says, per layer and for K and V separately, a `TensorSpec`:
+
+    bits            2, 3, 4, 8 (codes) or 16 (kept as float16); `head_bits` overrides per head
+    kind            "uniform" (affine) or "codebook" (non-uniform levels in role `codebook`)
+    symmetric       uniform only: symmetric (signed) or asymmetric (min/max) affine
+    axis            "token":   parameters per token and group of `group_size` channels,
+                               computed when the frame is stored (dynamic)
+                    "channel": parameters per channel; dynamic over the frame's tokens, or
+                               static from roles `scale`/`zero_point` [H, D] when `static`
+    clip            dynamic ranges are shrunk by this ratio (role `clip` [H] overrides)
+    rotation        "none", "hadamard" or "learned": role `rotation` [H, D, D], x -> x @ R
+    outliers        channels (role `outlier_channels` [H, n], int64) kept in float16
+    sparse_fraction dense-and-sparse: this share of each head's entries kept in float16
+    centroids       k-means centroid smoothing: role `centroids` [H, C, D]; the code stores the
+                    nearest centroid per token and quantizes the residual
+    comp_rank       low-rank residual compensator: roles `comp_down` [H, D, r], `comp_up` [H, r, D]
+
+and a token policy: `sink_frames` frames at `sink_bits`, the newest `recent_frames` frames at
+`recent_bits`, every `keyframe_interval`-th frame at `keyframe_bits` (0 = none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+FORMAT = "kv-recipe"
+FORMAT_VERSION = "1.0"
+REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
+OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
+KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
+               "comp_down", "comp_up", "logit_bias")
+ALLOWED_BITS = (2, 3, 4, 8, 16)
+
+
+class RecipeError(ValueError):
+    """A recipe file that cannot be used; the message names the file and the field."""
+
+
+@dataclass
+class TensorSpec:
+    bits: int = 16
+    head_bits: list[int] | None = None
+    kind: str = "uniform"
+    symmetric: bool = False
+    axis: str = "token"
+    group_size: int = 0  # 0 = head_dim (one group per token)
+    static: bool = False
+    clip: float = 1.0
+    rotation: str = "none"
+    outliers: int = 0
+    sparse_fraction: float = 0.0
+    centroids: int = 0
+    comp_rank: int = 0
+
+    def bits_of(self, head: int) -> int:
+        return self.head_bits[head] if self.head_bits else self.bits
+
+
+@dataclass
+class TokenPolicy:
+    sink_frames: int = 1
+    sink_bits: int = 16
+    recent_frames: int = 0
+    recent_bits: int = 16
+    keyframe_interval: int = 0
+    keyframe_bits: int = 8
+
+
+@dataclass
+class LayerSpec:
+    k: TensorSpec = field(default_factory=TensorSpec)
+    v: TensorSpec = field(default_factory=TensorSpec)
+
+
+@dataclass
+class Scheme:
+    name: str
+    layers: list[LayerSpec]
+    policy: TokenPolicy = field(default_factory=TokenPolicy)
+    notes: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_dict(d: dict, where: str = "scheme") -> "Scheme":
+        try:
+            layers = [LayerSpec(k=_spec(l["k"], f"{where}.layers[{i}].k"), v=_spec(l["v"], f"{where}.layers[{i}].v"))
+                      for i, l in enumerate(d["layers"])]
+            policy = _dataclass_from(TokenPolicy, d.get("policy", {}), f"{where}.policy")
+            return Scheme(name=str(d["name"]), layers=layers, policy=policy, notes=str(d.get("notes", "")))
+        except KeyError as e:
+            raise RecipeError(f"{where}: missing field {e}") from None
+
+
+def _dataclass_from(cls, d: dict, where: str):
+    names = {f.name for f in fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise RecipeError(f"{where}: unknown field(s) {sorted(unknown)}")
+    return cls(**d)
+
+
+def _spec(d: dict, where: str) -> TensorSpec:
+    s = _dataclass_from(TensorSpec, d, where)
+    for b in [s.bits] + list(s.head_bits or []):
+        if b not in ALLOWED_BITS:
+            raise RecipeError(f"{where}.bits: {b} not in {ALLOWED_BITS}")
+    if s.kind not in ("uniform", "codebook"):
+        raise RecipeError(f"{where}.kind: {s.kind!r} is not 'uniform' or 'codebook'")
+    if s.axis not in ("token", "channel"):
+        raise RecipeError(f"{where}.axis: {s.axis!r} is not 'token' or 'channel'")
+    if s.rotation not in ("none", "hadamard", "learned"):
+        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not none/hadamard/learned")
+    if not 0 < s.clip <= 1:
+        raise RecipeError(f"{where}.clip: {s.clip} is not in (0, 1]")
+    if not 0 <= s.sparse_fraction < 1:
+        raise RecipeError(f"{where}.sparse_fraction: {s.sparse_fraction} is not in [0, 1)")
+    return s
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens_per_frame: int
+    fingerprint: str
+
+    @property
+    def elements_per_frame(self) -> int:
+        """K and V elements of one frame in one layer."""
+        return 2 * self.num_kv_heads * self.tokens_per_frame * self.head_dim
+
+
+@dataclass
+class Recipe:
+    model: ModelInfo
+    scheme: Scheme
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)  # calibration, metrics, memory, ... (JSON)
+    path: str | None = None
+
+    def tensor(self, layer: int, kind: str, role: str) -> torch.Tensor | None:
+        return self.tensors.get(f"layers.{layer}.{kind}.{role}")
+
+    def section(self, name: str) -> dict:
+        return json.loads(self.metadata.get(name, "{}"))
+
+
+# ---- writing ------------------------------------------------------------------------------
+def producer() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"calibrate {version('calibrate')}"
+    except PackageNotFoundError:
+        return "calibrate (source)"
+
+
+def to_bytes(recipe: Recipe) -> bytes:
+    """Serialized recipe; deterministic (sorted keys, contiguous float32/int64 tensors)."""
+    meta = {k: v for k, v in recipe.metadata.items()}
+    meta.update(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        producer=producer(),
+        model=json.dumps(asdict(recipe.model), sort_keys=True),
+        scheme=recipe.scheme.to_json(),
+    )
+    tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(recipe.tensors.items())}
+    return save(tensors, metadata=meta)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that the path holds either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
+    validate(recipe, str(path))
+    atomic_write_bytes(path, to_bytes(recipe))
+
+
+# ---- loading and validation ---------------------------------------------------------------
+def load_recipe(path: str | os.PathLike, model: ModelInfo | None = None) -> Recipe:
+    """Load and validate a recipe; with `model`, also check it was made for that model."""
+    p = str(path)
+    if not Path(p).is_file():
+        raise RecipeError(f"{p}: no such recipe file")
+    try:
+        with safe_open(p, framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise RecipeError(f"{p}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+    for key in REQUIRED_METADATA:
+        if key not in meta:
+            raise RecipeError(f"{p}: metadata field '{key}' is missing")
+    if meta["format"] != FORMAT:
+        raise RecipeError(f"{p}: metadata field 'format' is {meta['format']!r}, expected {FORMAT!r}")
+    major = meta["format_version"].split(".")[0]
+    if major != FORMAT_VERSION.split(".")[0]:
+        raise RecipeError(
+            f"{p}: metadata field 'format_version' is {meta['format_version']}, this runtime reads {FORMAT_VERSION}"
+        )
+    for key in sorted(set(meta) - set(REQUIRED_METADATA) - set(OPTIONAL_METADATA)):
+        warnings.warn(f"{p}: unknown metadata field '{key}' ignored", stacklevel=2)
+    try:
+        info = _dataclass_from(ModelInfo, json.loads(meta["model"]), "model")
+        scheme = Scheme.from_dict(json.loads(meta["scheme"]))
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{p}: metadata is not valid JSON ({e})") from None
+    except RecipeError as e:
+        raise RecipeError(f"{p}: {e}") from None
+    extra = {k: meta[k] for k in OPTIONAL_METADATA if k in meta}
+    recipe = Recipe(model=info, scheme=scheme, tensors=tensors, metadata=extra, path=p)
+    validate(recipe, p)
+    if model is not None:
+        check_model(recipe, model)
+    return recipe
+
+
+def check_model(recipe: Recipe, model: ModelInfo) -> None:
+    where = recipe.path or "recipe"
+    if recipe.model.fingerprint != model.fingerprint:
+        raise RecipeError(
+            f"{where}: model fingerprint {recipe.model.fingerprint} does not match the model in use "
+            f"({model.name}, {model.fingerprint}); recalibrate for this model"
+        )
+    for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_frame"):
+        if getattr(recipe.model, name) != getattr(model, name):
+            raise RecipeError(f"{where}: model.{name} is {getattr(recipe.model, name)}, the model has {getattr(model, name)}")
+
+
+def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ...]]:
+    """Tensor roles a spec requires, with their shapes."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.rotation != "none":
+        shapes["rotation"] = (H, D, D)
+    if spec.axis == "channel" and spec.static:
+        shapes["scale"] = (H, D)
+        shapes["zero_point"] = (H, D)
+    if spec.kind == "codebook":
+        shapes["codebook"] = (H, 2 ** max(spec.bits_of(h) if spec.bits_of(h) < 16 else 0 for h in range(H)))
+    if spec.outliers:
+        shapes["outlier_channels"] = (H, spec.outliers)
+    if spec.centroids:
+        shapes["centroids"] = (H, spec.centroids, D)
+    if spec.comp_rank:
+        shapes["comp_down"] = (H, D, spec.comp_rank)
+        shapes["comp_up"] = (H, spec.comp_rank, D)
+    return shapes
+
+
+def validate(recipe: Recipe, where: str) -> None:
+    m, s = recipe.model, recipe.scheme
+    H, D = m.num_kv_heads, m.head_dim
+    if len(s.layers) != m.num_layers:
+        raise RecipeError(f"{where}: scheme.layers has {len(s.layers)} entries, model.num_layers is {m.num_layers}")
+    for name in recipe.tensors:
+        parts = name.split(".")
+        if name == "__metadata__" or len(parts) != 4 or parts[0] != "layers" or parts[2] not in ("k", "v"):
+            raise RecipeError(f"{where}: tensor name '{name}' is reserved or not of the form layers.<i>.<k|v>.<role>")
+        if parts[3] not in KNOWN_ROLES:
+            raise RecipeError(f"{where}: tensor '{name}' has unknown role '{parts[3]}'")
+    for i, layer in enumerate(s.layers):
+        for kind in ("k", "v"):
+            spec: TensorSpec = getattr(layer, kind)
+            if spec.head_bits is not None and len(spec.head_bits) != H:
+                raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.head_bits has {len(spec.head_bits)} entries, expected {H}")
+            g = spec.group_size or D
+            if D % g:
+                raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.group_size {g} does not divide head_dim {D}")
+            if spec.comp_rank < 0 or spec.comp_rank > D:
+                raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.comp_rank {spec.comp_rank} not in [0, {D}]")
+            for role, shape in expected_shapes(spec, H, D).items():
+                name = f"layers.{i}.{kind}.{role}"
+                t = recipe.tensors.get(name)
+                if t is None:
+                    raise RecipeError(f"{where}: required tensor '{name}' is missing")
+                if tuple(t.shape) != shape:
+                    raise RecipeError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
+            for role in ("rotation", "scale", "zero_point", "clip", "codebook", "centroids", "comp_down", "comp_up"):
+                t = recipe.tensors.get(f"layers.{i}.{kind}.{role}")
+                if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
+                    raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.{role}' has NaN or Inf values")
+            scale = recipe.tensors.get(f"layers.{i}.{kind}.scale")
+            if scale is not None and not (scale > 0).all():
+                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.scale' has non-positive values")
+            clip = recipe.tensors.get(f"layers.{i}.{kind}.clip")
+            if clip is not None and (clip.shape != (H,) or not ((clip > 0) & (clip <= 1)).all()):
+                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.clip' must be [H] with values in (0, 1]")
+            rot = recipe.tensors.get(f"layers.{i}.{kind}.rotation")
+            if rot is not None:
+                eye = torch.eye(D, dtype=torch.float64)
+                err = (rot.double().transpose(-1, -2) @ rot.double() - eye).abs().max().item()
+                if err > 1e-4:
+                    raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.rotation' is not orthogonal (max |R^T R - I| = {err:.2e})")
+            oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
+            if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
+                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
+    for name in ("sink_frames", "recent_frames", "keyframe_interval"):
+        if getattr(s.policy, name) < 0:
+            raise RecipeError(f"{where}: scheme.policy.{name} must be >= 0")
+    for name in ("sink_bits", "recent_bits", "keyframe_bits"):
+        if getattr(s.policy, name) not in ALLOWED_BITS:
+            raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
+
+
+def uniform_scheme(name: str, num_layers: int, k: TensorSpec, v: TensorSpec, policy: TokenPolicy, notes: str = "") -> Scheme:
+    """The same K and V spec in every layer."""
+    return Scheme(name=name, layers=[LayerSpec(k=k, v=v) for _ in range(num_layers)], policy=policy, notes=notes)

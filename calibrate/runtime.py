@@ -1,0 +1,158 @@
+"""The reference runtime: a packed, quantized KV cache built from a recipe alone.
+
+`QuantizedKVCache.from_recipe(recipe)` implements the `KVCache` seam. Each frame's K/V enter
+at the precision of their token class and stay there until evicted:
+
+- the newest `recent_frames` frames are held at `recent_bits` (float16 by default); a frame
+  leaving that window is re-encoded from its float16 copy at its final precision, and the
+  copy is dropped (no full-precision shadow of quantized history is kept);
+- the first `sink_frames` frames (attention sinks / anchors) at `sink_bits`;
+- every `keyframe_interval`-th frame at `keyframe_bits`;
+- all other frames as the layer's `TensorSpec` says (per head).
+
+The frame being generated attends to its own K/V in full precision (they were just computed);
+only what is *stored* for later frames is quantized, as in a real streaming runtime.
+
+`nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` computes the
+same from the recipe alone, and the two agree at steady state. This module imports only the
+seam, the recipe format and the codec: a runtime can ship without the compiler.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from calibrate.cache import KVCache, Rope, kept_frames, softmax_attention
+from calibrate.codec import HeadParams, decode, encode, head_params, predicted_nbytes, stored_nbytes
+from calibrate.recipe import Recipe, TensorSpec, TokenPolicy
+
+KINDS = ("k", "v")
+
+
+def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> int:
+    """Bits frame `index` of one head is stored at once it leaves the recent window."""
+    if index < policy.sink_frames:
+        return policy.sink_bits
+    if policy.keyframe_interval and index % policy.keyframe_interval == 0:
+        return policy.keyframe_bits
+    return spec.bits_of(head)
+
+
+class QuantizedKVCache(KVCache):
+    def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
+        super().__init__(recipe.model.num_layers, window, sink_frames)
+        self.recipe = recipe
+        self.policy = recipe.scheme.policy
+        self.head_dim = recipe.model.head_dim
+        self.num_heads = recipe.model.num_kv_heads
+        self.device = torch.device(device)
+        tensors = {k: v.to(self.device) for k, v in recipe.tensors.items()}
+        self._recipe_on_device = Recipe(recipe.model, recipe.scheme, tensors, recipe.metadata, recipe.path)
+        self._params: dict[tuple[int, str, int, int], HeadParams] = {}
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
+        return cls(recipe, window=window, sink_frames=sink_frames, device=device)
+
+    # ---- precision of each frame -------------------------------------------------------------
+    def final_bits(self, layer: int, kind: str, head: int, index: int) -> int:
+        return final_bits(self.policy, self.spec(layer, kind), head, index)
+
+    def spec(self, layer: int, kind: str) -> TensorSpec:
+        return getattr(self.recipe.scheme.layers[layer], kind)
+
+    def params(self, layer: int, kind: str, head: int, bits: int) -> HeadParams:
+        key = (layer, kind, head, bits)
+        if key not in self._params:
+            self._params[key] = head_params(self._recipe_on_device, layer, kind, head, bits)
+        return self._params[key]
+
+    # ---- storage -----------------------------------------------------------------------------
+    def _encode(self, layer: int, x_BHTD: Tensor, kind: str, bits_of_head) -> list[dict[str, Tensor]]:
+        spec = self.spec(layer, kind)
+        return [encode(x_BHTD[:, h], spec, self.params(layer, kind, h, bits_of_head(h))) for h in range(self.num_heads)]
+
+    def _decode(self, layer: int, kind: str, heads: list[dict[str, Tensor]], bits_of_head) -> Tensor:
+        spec = self.spec(layer, kind)
+        return torch.stack(
+            [decode(s, spec, self.params(layer, kind, h, bits_of_head(h)), self.head_dim) for h, s in enumerate(heads)],
+            dim=1,
+        )
+
+    def _store(self, layer: int, index: int, k_BHTD: Tensor, v_BHTD: Tensor) -> object:
+        if self.policy.recent_frames > 0:
+            return {"bits": "recent", **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits)
+                                         for kind, x in zip(KINDS, (k_BHTD, v_BHTD))}}
+        return self._store_final(layer, index, k_BHTD, v_BHTD)
+
+    def _store_final(self, layer: int, index: int, k_BHTD: Tensor, v_BHTD: Tensor) -> object:
+        return {"bits": "final", **{kind: self._encode(layer, x, kind, lambda h, kind=kind: self.final_bits(layer, kind, h, index))
+                                    for kind, x in zip(KINDS, (k_BHTD, v_BHTD))}}
+
+    def _load(self, layer: int, index: int, stored: dict) -> tuple[Tensor, Tensor]:
+        out = []
+        for kind in KINDS:
+            if stored["bits"] == "recent":
+                bits = lambda h: self.policy.recent_bits
+            else:
+                bits = lambda h, kind=kind: self.final_bits(layer, kind, h, index)
+            out.append(self._decode(layer, kind, stored[kind], bits))
+        return out[0], out[1]
+
+    def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
+        index = super().append(layer, k_BHTD, v_BHTD, key_rope)
+        # the frame that just left the recent window is re-encoded at its final precision
+        leaving = index - self.policy.recent_frames
+        if self.policy.recent_frames > 0 and leaving in self._frames[layer]:
+            k, v = self._load(layer, leaving, self._frames[layer][leaving])
+            self._frames[layer][leaving] = self._store_final(layer, leaving, k, v)
+        return index
+
+    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        k_rot = key_rope.apply(k_BHTD)
+        index = self.append(layer, k_BHTD, v_BHTD, key_rope)
+        history = [f for f in self.frame_indices(layer) if f != index]
+        ks, vs = [], []
+        for f in history:
+            k, v = self._load(layer, f, self._frames[layer][f])
+            ks.append(k)
+            vs.append(v)
+        ks.append(k_rot)
+        vs.append(v_BHTD)
+        return softmax_attention(q_BHTD, torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+
+    # ---- bytes -------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        total = 0
+        for frames in self._frames:
+            for stored in frames.values():
+                for kind in KINDS:
+                    total += sum(stored_nbytes(s) for s in stored[kind])
+        return total
+
+    def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
+        """Bytes this cache holds after `num_appended` frames, from the recipe alone."""
+        return predicted_cache_bytes(self.recipe, num_appended, self.window, self.sink_frames, batch)
+
+
+def predicted_cache_bytes(recipe: Recipe, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
+    m, pol = recipe.model, recipe.scheme.policy
+    T, D = m.tokens_per_frame, m.head_dim
+    total = 0
+    kept = kept_frames(num_appended, window, sink_frames)
+    for layer, spec_pair in enumerate(recipe.scheme.layers):
+        for kind in KINDS:
+            spec: TensorSpec = getattr(spec_pair, kind)
+            for h in range(m.num_kv_heads):
+                for f in kept:
+                    recent = pol.recent_frames and f >= num_appended - pol.recent_frames
+                    bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
+                    total += predicted_nbytes(spec, head_params(recipe, layer, kind, h, bits), batch, T, D)
+    return total
+
+
+def fp16_cache_bytes(recipe: Recipe, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
+    m = recipe.model
+    frames = len(kept_frames(num_appended, window, sink_frames))
+    return frames * m.num_layers * m.elements_per_frame * 2 * batch

@@ -1,0 +1,708 @@
+"""Streaming, mergeable statistics of keys, values and attention.
+
+Calibration replays long rollouts and has to summarise every key and value the cache ever
+held without keeping them. `KVStats` is that summary: fixed-size tensors updated one frame
+at a time, whose memory does not depend on the rollout length (the per-frame-bucket drift
+summaries are bounded by `max_frames`). Every tensor declares how two summaries combine
+(`MERGE`: sum, min or max), so shards of trajectories, processes and GPUs reduce *exactly*
+to the summary of all the data: integer counts and histograms and min/max bit for bit,
+float64 sums up to summation order.
+
+Tokens. A frame's K or V arrives as `x_BHTD`; all B x T tokens (trajectories x tokens of the
+frame) are samples of the same per-(layer, head, channel) distribution.
+
+Tensors (names are `"{kind}.{stat}"`, kind `k`, `v` or `attn`; legend below):
+
+    k.count         [L]            int64    tokens seen per layer
+    k.sum, k.sumsq, k.sum3, k.sum4
+                    [L, H, D]      float64  sums of x, x^2, x^3, x^4 (moments, kurtosis)
+    k.min, k.max, k.absmax
+                    [L, H, D]      float64  (+inf / -inf / 0 before any data)
+    k.hist          [L, H, D, NB]  int64    fixed-bin histogram over `hist_range`; values
+                                            below / above the range land in the first / last
+                                            bin (so the edge bins are open-ended)
+    k.gram          [L, H, D, D]   float64  sum over tokens of x x^T (rotations, PCA, low rank)
+    k.bucket_count  [L, U]         int64    tokens per frame bucket (frame_index // bucket_size)
+    k.bucket_absmax_sum [L, H, U]  float64  sum over tokens of the token's absmax over channels
+    k.bucket_abs_sum    [L, H, U]  float64  sum over tokens and channels of |x|
+    k.bucket_absmax_max [L, H, U]  float64  largest token absmax in the bucket
+    (the same for v.*)
+    attn.rows           [L]        int64    query rows seen (one per trajectory per update)
+    attn.age_mass       [L, Q, A]  float64  attention mass on frames of age a (clipped at A-1)
+    attn.age_pairs      [L, A]     int64    (row, cached frame) pairs at age a
+    attn.age_uniform    [L, A]     float64  sum of 1/F over those pairs: the mass uniform
+                                            attention would have given them
+    attn.anchor_mass    [L, Q, S]  float64  attention mass on absolute frame index s < S
+    attn.anchor_pairs   [L, S]     int64    rows in which frame s was cached
+    attn.anchor_uniform [L, S]     float64  sum of 1/F over those rows
+
+Legend: L layers, H kv heads, Q attention (query) heads, D head_dim, T tokens per frame,
+B batch, F cached frames, NB histogram bins, A = max_age + 1 ages, S = num_anchor_frames,
+U = ceil(max_frames / bucket_size) frame buckets (frames past max_frames go to the last).
+
+Derived views (`mean`, `var`, `kurtosis`, `percentile`, `outlier_channels`, `anchor_frames`,
+`range_drift`, ...) are pure functions of a `KVStats`; they never return NaN, also for empty,
+zero or constant input. Query vectors are not summarised here: `QuerySample` keeps a bounded
+uniform reservoir of them for the fitters' attention-output objective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+FORMAT = "kv-stats"
+FORMAT_VERSION = "1.0"
+KINDS = ("k", "v")
+
+# How each statistic combines across shards/ranks; keyed by the part of the name after "kind.".
+MERGE: dict[str, str] = {
+    "count": "sum", "sum": "sum", "sumsq": "sum", "sum3": "sum", "sum4": "sum",
+    "min": "min", "max": "max", "absmax": "max", "hist": "sum", "gram": "sum",
+    "bucket_count": "sum", "bucket_absmax_sum": "sum", "bucket_abs_sum": "sum",
+    "bucket_absmax_max": "max",
+    "rows": "sum", "age_mass": "sum", "age_pairs": "sum", "age_uniform": "sum",
+    "anchor_mass": "sum", "anchor_pairs": "sum", "anchor_uniform": "sum",
+}
+_INIT = {"min": math.inf, "max": -math.inf}  # everything else starts at 0
+_EPS = 1e-12
+
+
+def merge_rule(name: str) -> str:
+    """The merge rule ("sum", "min" or "max") of tensor `name` ("k.sum", "attn.rows", ...)."""
+    return MERGE[name.split(".", 1)[1]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVStatsConfig:
+    """Shape and binning of a `KVStats`; fixed before the first update so summaries merge."""
+
+    num_layers: int
+    """Transformer layers L."""
+    num_heads: int
+    """Key/value heads H."""
+    head_dim: int
+    """Channels per head D."""
+    num_query_heads: int | None = None
+    """Attention (query) heads Q of the attention probabilities; None means Q = H."""
+    hist_range: tuple[float, float] = (-32.0, 32.0)
+    """Range covered by the histogram bins; values outside land in the edge bins."""
+    num_bins: int = 256
+    """Histogram bins NB (uniform over `hist_range`)."""
+    max_age: int = 1024
+    """Frame ages are clipped to this (the last age bin holds all older frames)."""
+    num_anchor_frames: int = 4
+    """Attention on absolute frame indices below this is tracked separately (sinks)."""
+    bucket_size: int = 16
+    """Frames per drift bucket."""
+    max_frames: int = 1024
+    """Frames covered by drift buckets; later frames are counted in the last bucket."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hist_range", tuple(float(x) for x in self.hist_range))
+        for name in ("num_layers", "num_heads", "head_dim", "num_bins", "bucket_size", "max_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"stats {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_query_heads is not None and self.num_query_heads < 1:
+            raise ValueError(f"stats num_query_heads must be >= 1, got {self.num_query_heads}")
+        if self.max_age < 0 or self.num_anchor_frames < 0:
+            raise ValueError("stats max_age and num_anchor_frames must be >= 0")
+        lo, hi = self.hist_range
+        if len(self.hist_range) != 2 or not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"stats hist_range must be two finite numbers lo < hi, got {self.hist_range}")
+
+    @property
+    def query_heads(self) -> int:
+        return self.num_heads if self.num_query_heads is None else self.num_query_heads
+
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.max_frames // self.bucket_size)
+
+    @property
+    def bin_width(self) -> float:
+        return (self.hist_range[1] - self.hist_range[0]) / self.num_bins
+
+    def bin_edges(self) -> Tensor:
+        """The NB + 1 bin edges (the first and last bins also hold out-of-range values)."""
+        return self.hist_range[0] + torch.arange(self.num_bins + 1, dtype=torch.float64) * self.bin_width
+
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor of a `KVStats` with this config."""
+        L, H, D, Q = self.num_layers, self.num_heads, self.head_dim, self.query_heads
+        U, A, S = self.num_buckets, self.max_age + 1, self.num_anchor_frames
+        i64, f64 = torch.int64, torch.float64
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for kind in KINDS:
+            specs[f"{kind}.count"] = ((L,), i64)
+            for stat in ("sum", "sumsq", "sum3", "sum4", "min", "max", "absmax"):
+                specs[f"{kind}.{stat}"] = ((L, H, D), f64)
+            specs[f"{kind}.hist"] = ((L, H, D, self.num_bins), i64)
+            specs[f"{kind}.gram"] = ((L, H, D, D), f64)
+            specs[f"{kind}.bucket_count"] = ((L, U), i64)
+            for stat in ("bucket_absmax_sum", "bucket_abs_sum", "bucket_absmax_max"):
+                specs[f"{kind}.{stat}"] = ((L, H, U), f64)
+        specs["attn.rows"] = ((L,), i64)
+        specs["attn.age_mass"] = ((L, Q, A), f64)
+        specs["attn.age_pairs"] = ((L, A), i64)
+        specs["attn.age_uniform"] = ((L, A), f64)
+        specs["attn.anchor_mass"] = ((L, Q, S), f64)
+        specs["attn.anchor_pairs"] = ((L, S), i64)
+        specs["attn.anchor_uniform"] = ((L, S), f64)
+        return specs
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVStatsConfig:
+        return cls(**json.loads(text))
+
+
+class KVStats:
+    """The streaming summary; see the module docstring for what each tensor holds."""
+
+    def __init__(self, config: KVStatsConfig, device: str | torch.device = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        self.tensors: dict[str, Tensor] = {
+            name: torch.full(shape, _INIT.get(name.split(".", 1)[1], 0), dtype=dtype, device=self.device)
+            for name, (shape, dtype) in config.tensor_specs().items()
+        }
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    # ---- updates ---------------------------------------------------------------------
+    def update(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, frame_index: int) -> None:
+        """Add one frame's keys and values of `layer` (frame_index: position in the rollout)."""
+        self.update_kind("k", layer, k_BHTD, frame_index)
+        self.update_kind("v", layer, v_BHTD, frame_index)
+
+    def update_kind(self, kind: str, layer: int, x_BHTD: Tensor, frame_index: int) -> None:
+        """Add one frame's keys (kind "k") or values ("v") of `layer`."""
+        cfg = self.config
+        if kind not in KINDS:
+            raise ValueError(f"stats kind must be one of {KINDS}, got {kind!r}")
+        self._check_layer(layer)
+        if x_BHTD.dim() != 4 or x_BHTD.shape[1] != cfg.num_heads or x_BHTD.shape[3] != cfg.head_dim:
+            raise ValueError(
+                f"stats expect {kind} as [B, {cfg.num_heads}, T, {cfg.head_dim}], got {list(x_BHTD.shape)}"
+            )
+        if frame_index < 0:
+            raise ValueError(f"frame_index must be >= 0, got {frame_index}")
+        B, H, T, D = x_BHTD.shape
+        if B * T == 0:
+            return
+        x_HND = x_BHTD.detach().to(self.device, torch.float64).permute(1, 0, 2, 3).reshape(H, B * T, D)
+        if not torch.isfinite(x_HND).all():
+            raise ValueError(f"non-finite {kind} values in layer {layer}, frame {frame_index}")
+        t = {stat: self.tensors[f"{kind}.{stat}"][layer] for stat in MERGE if f"{kind}.{stat}" in self.tensors}
+        x2_HND = x_HND * x_HND
+        a_HND = x_HND.abs()
+        self.tensors[f"{kind}.count"][layer] += B * T
+        t["sum"] += x_HND.sum(1)
+        t["sumsq"] += x2_HND.sum(1)
+        t["sum3"] += (x2_HND * x_HND).sum(1)
+        t["sum4"] += (x2_HND * x2_HND).sum(1)
+        t["min"].copy_(torch.minimum(t["min"], x_HND.amin(1)))
+        t["max"].copy_(torch.maximum(t["max"], x_HND.amax(1)))
+        t["absmax"].copy_(torch.maximum(t["absmax"], a_HND.amax(1)))
+        t["gram"] += x_HND.transpose(1, 2) @ x_HND
+        t["hist"] += self._histogram(x_HND)
+        u = min(frame_index // cfg.bucket_size, cfg.num_buckets - 1)
+        token_absmax_HN = a_HND.amax(-1)
+        t["bucket_count"][u] += B * T
+        t["bucket_absmax_sum"][:, u] += token_absmax_HN.sum(1)
+        t["bucket_abs_sum"][:, u] += a_HND.sum((1, 2))
+        t["bucket_absmax_max"][:, u] = torch.maximum(t["bucket_absmax_max"][:, u], token_absmax_HN.amax(1))
+
+    def _histogram(self, x_HND: Tensor) -> Tensor:
+        """Per-channel bin counts [H, D, NB]; out-of-range values clamp into the edge bins."""
+        cfg = self.config
+        H, N, D = x_HND.shape
+        nb = cfg.num_bins
+        bin_HND = ((x_HND - cfg.hist_range[0]) / cfg.bin_width).floor().clamp_(0, nb - 1).long()
+        channel_HND = (torch.arange(H * D, device=x_HND.device).view(H, 1, D)).expand(H, N, D)
+        flat = (channel_HND * nb + bin_HND).flatten()
+        return torch.bincount(flat, minlength=H * D * nb).view(H, D, nb)
+
+    def update_attention(self, layer: int, probs_BQF: Tensor, frame_indices: list[int], newest: int) -> None:
+        """Add one frame's attention of `layer` over the cached frames.
+
+        `probs_BQF[b, h, f]` is the attention mass query head h of trajectory b put on cached
+        frame `frame_indices[f]`: softmax probabilities summed over that frame's tokens and
+        averaged over the querying frame's tokens (`frame_mass` computes it), so each row sums
+        to 1. `newest` is the index of the querying frame; the age of frame i is newest - i.
+        """
+        cfg = self.config
+        self._check_layer(layer)
+        B, Q, F = probs_BQF.shape
+        if Q != cfg.query_heads or F != len(frame_indices) or F == 0:
+            raise ValueError(
+                f"attention probs must be [B, {cfg.query_heads}, {len(frame_indices)} frames], got {list(probs_BQF.shape)}"
+            )
+        if len(set(frame_indices)) != F or min(frame_indices) < 0 or max(frame_indices) > newest:
+            raise ValueError(f"frame_indices must be distinct, in [0, newest={newest}], got {frame_indices}")
+        idx_F = torch.tensor(frame_indices, dtype=torch.int64, device=self.device)
+        age_F = (newest - idx_F).clamp(max=cfg.max_age)
+        mass_QF = probs_BQF.detach().to(self.device, torch.float64).sum(0)
+        t = self.tensors
+        t["attn.rows"][layer] += B
+        t["attn.age_mass"][layer].index_add_(1, age_F, mass_QF)
+        t["attn.age_pairs"][layer].index_add_(0, age_F, torch.full_like(age_F, B))
+        t["attn.age_uniform"][layer].index_add_(0, age_F, torch.full((F,), B / F, dtype=torch.float64, device=self.device))
+        anchor_F = idx_F < cfg.num_anchor_frames
+        if anchor_F.any():
+            s = idx_F[anchor_F]
+            t["attn.anchor_mass"][layer][:, s] += mass_QF[:, anchor_F]
+            t["attn.anchor_pairs"][layer][s] += B
+            t["attn.anchor_uniform"][layer][s] += B / F
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer}")
+
+    # ---- tensors and files -----------------------------------------------------------
+    def to_tensors(self) -> dict[str, Tensor]:
+        """Copies of all tensors on the CPU (what `save` writes)."""
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.tensors.items()}
+
+    @classmethod
+    def from_tensors(
+        cls, config: KVStatsConfig, tensors: Mapping[str, Tensor], device: str | torch.device = "cpu"
+    ) -> KVStats:
+        """Rebuild from `to_tensors` output; ValueError names any missing/extra/misshapen tensor."""
+        specs = config.tensor_specs()
+        missing, extra = sorted(set(specs) - set(tensors)), sorted(set(tensors) - set(specs))
+        if missing or extra:
+            raise ValueError(f"stats tensors do not match the config: missing {missing}, unexpected {extra}")
+        for name, (shape, dtype) in specs.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"stats tensor {name} is {t.dtype} {list(t.shape)}, config expects {dtype} {list(shape)}"
+                )
+        stats = cls(config, device)
+        for name, t in tensors.items():
+            stats.tensors[name].copy_(t)
+        return stats
+
+    def save(self, path: str | os.PathLike, model: Mapping[str, Any] | None = None,
+             queries: QuerySample | None = None) -> None:
+        """Write one safetensors file atomically (temp file in the same directory + rename).
+
+        Metadata: format, format_version, config (JSON), model (the caller's JSON-able model
+        description) and, when `queries` is given, its settings; its tensors are stored as q.*.
+        """
+        tensors = self.to_tensors()
+        metadata = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "config": self.config.to_json(),
+            "model": json.dumps(dict(model or {}), sort_keys=True),
+        }
+        if queries is not None:
+            tensors.update({f"q.{n}": t for n, t in queries.to_tensors().items()})
+            metadata["queries"] = json.dumps(queries.settings(), sort_keys=True)
+        _atomic_save(tensors, metadata, Path(path))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> KVStats:
+        return load_stats(path, device).stats
+
+
+@dataclass
+class StatsFile:
+    """What a stats file holds: the summary, the model description, the optional queries."""
+
+    stats: KVStats
+    model: dict[str, Any]
+    queries: QuerySample | None
+
+
+def _atomic_save(tensors: dict[str, Tensor], metadata: dict[str, str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> StatsFile:
+    """Read and validate a stats file; every problem raises ValueError(f"{path}: ...")."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such stats file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
+    version = metadata.get("format_version", "")
+    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        raise ValueError(f"{path}: format_version {version!r} is not readable (this code reads {FORMAT_VERSION})")
+    try:
+        config = KVStatsConfig.from_json(metadata["config"])
+        model = json.loads(metadata.get("model", "{}"))
+        q_settings = json.loads(metadata["queries"]) if "queries" in metadata else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: bad metadata ({e})") from e
+    q_tensors = {n[2:]: tensors.pop(n) for n in list(tensors) if n.startswith("q.")}
+    try:
+        stats = KVStats.from_tensors(config, tensors, device)
+        queries = QuerySample.from_tensors(q_settings, q_tensors, device) if q_settings is not None else None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    return StatsFile(stats=stats, model=model, queries=queries)
+
+
+def merge(a: KVStats, b: KVStats) -> KVStats:
+    """The summary of the union of the data of `a` and `b` (each tensor by its merge rule)."""
+    if a.config != b.config:
+        raise ValueError(f"cannot merge stats with different configs: {a.config} vs {b.config}")
+    out = KVStats(a.config, a.device)
+    ops = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+    for name, ta in a.tensors.items():
+        out.tensors[name] = ops[merge_rule(name)](ta, b.tensors[name].to(a.device))
+    return out
+
+
+# ---- the query reservoir ----------------------------------------------------------------
+def _mix(*ints: int) -> int:
+    """A deterministic 63-bit seed from a few integers (no Python hash randomisation)."""
+    h = 0x9E3779B97F4A7C15
+    for i in ints:
+        h = ((h ^ (i & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
+class QuerySample:
+    """A bounded uniform sample of query tokens per layer (reservoir sampling, Algorithm R).
+
+    A sampled item is one token's query over all heads, [Q, D]. Randomness comes from one
+    seeded generator per layer, so the same stream of updates gives the same sample. After
+    `from_tensors` or `merge_queries` the generators are reseeded from (seed, layer, seen).
+
+    `merge_queries` keeps a weighted subsample of the union (each stored row stands for
+    seen/kept items of its side), which is uniform in expectation but, unlike `merge` of
+    `KVStats`, not order-independent: merge(a, b) and merge(b, a) may keep different rows.
+    What always holds: at most `capacity` rows, every row comes from a or b, the union is
+    kept whole when it fits, `num_seen` adds up, and the same inputs give the same output.
+    """
+
+    def __init__(self, *, num_layers: int, num_heads: int, head_dim: int, capacity: int = 4096,
+                 seed: int = 0, device: str | torch.device = "cpu"):
+        if min(num_layers, num_heads, head_dim, capacity) < 1:
+            raise ValueError("QuerySample num_layers, num_heads, head_dim and capacity must be >= 1")
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+        self.capacity, self.seed = capacity, seed
+        self.device = torch.device(device)
+        self.q_LCQD = torch.zeros(num_layers, capacity, num_heads, head_dim, device=self.device)
+        self.num_seen_L = torch.zeros(num_layers, dtype=torch.int64)
+        self._reseed()
+
+    def _reseed(self) -> None:
+        self._gens = [torch.Generator().manual_seed(_mix(self.seed, layer, int(self.num_seen_L[layer])))
+                      for layer in range(self.num_layers)]
+
+    def settings(self) -> dict[str, int]:
+        return {"num_layers": self.num_layers, "num_heads": self.num_heads, "head_dim": self.head_dim,
+                "capacity": self.capacity, "seed": self.seed}
+
+    def update(self, layer: int, q_BQTD: Tensor) -> None:
+        """Offer every token of one frame's queries of `layer` to the reservoir."""
+        B, Q, T, D = q_BQTD.shape
+        if Q != self.num_heads or D != self.head_dim:
+            raise ValueError(f"queries must be [B, {self.num_heads}, T, {self.head_dim}], got {list(q_BQTD.shape)}")
+        rows_NQD = q_BQTD.detach().to(self.device, torch.float32).permute(0, 2, 1, 3).reshape(B * T, Q, D)
+        n, seen, C = B * T, int(self.num_seen_L[layer]), self.capacity
+        pos_N = seen + torch.arange(n)
+        u_N = torch.rand(n, generator=self._gens[layer], dtype=torch.float64)
+        # item at (0-based) position i >= C takes slot randint(0, i) if that slot is < C
+        slot_N = torch.where(pos_N < C, pos_N, (u_N * (pos_N + 1)).floor().long())
+        keep_N = slot_N < C
+        # several items of this frame may draw the same slot: sequentially, the last one wins
+        last_C = torch.full((C,), -1, dtype=torch.int64).scatter_reduce(
+            0, slot_N[keep_N], torch.arange(n)[keep_N], reduce="amax")
+        filled_C = last_C >= 0
+        self.q_LCQD[layer, filled_C.to(self.device)] = rows_NQD[last_C[filled_C].to(self.device)]
+        self.num_seen_L[layer] += n
+
+    def samples(self, layer: int) -> Tensor:
+        """The sampled queries of `layer`, [min(seen, capacity), Q, D]."""
+        return self.q_LCQD[layer, : min(int(self.num_seen_L[layer]), self.capacity)]
+
+    def to_tensors(self) -> dict[str, Tensor]:
+        return {"samples": self.q_LCQD.detach().to("cpu", copy=True), "num_seen": self.num_seen_L.clone()}
+
+    @classmethod
+    def from_tensors(cls, settings: Mapping[str, int], tensors: Mapping[str, Tensor],
+                     device: str | torch.device = "cpu") -> QuerySample:
+        out = cls(**settings, device=device)
+        for name, ref in (("samples", out.q_LCQD), ("num_seen", out.num_seen_L)):
+            t = tensors.get(name)
+            if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
+                got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise ValueError(f"query tensor {name} is {got}, expected {ref.dtype} {list(ref.shape)}")
+            ref.copy_(t)
+        out._reseed()
+        return out
+
+
+def merge_queries(a: QuerySample, b: QuerySample) -> QuerySample:
+    """A deterministic weighted subsample of the union of two reservoirs (see QuerySample)."""
+    if a.settings() != b.settings():
+        raise ValueError(f"cannot merge query samples with different settings: {a.settings()} vs {b.settings()}")
+    out = QuerySample(**a.settings(), device=a.device)
+    for layer in range(a.num_layers):
+        xa, xb = a.samples(layer), b.samples(layer).to(a.device)
+        na, nb = int(a.num_seen_L[layer]), int(b.num_seen_L[layer])
+        cand = torch.cat([xa, xb])
+        if len(cand) > a.capacity:
+            # Efraimidis-Spirakis weighted sampling: keep the top keys u^(1/w)
+            w = torch.cat([torch.full((len(xa),), na / max(len(xa), 1)), torch.full((len(xb),), nb / max(len(xb), 1))])
+            gen = torch.Generator().manual_seed(_mix(a.seed, layer, na, nb))
+            key = torch.rand(len(cand), generator=gen, dtype=torch.float64).log() / w.double()
+            cand = cand[key.topk(a.capacity).indices.sort().values.to(a.device)]
+        out.q_LCQD[layer, : len(cand)] = cand
+        out.num_seen_L[layer] = na + nb
+    out._reseed()
+    return out
+
+
+def frame_mass(probs_BQTN: Tensor, tokens_per_frame: int) -> Tensor:
+    """Attention rows over N = F x tokens_per_frame cached tokens -> mass per frame [B, Q, F]."""
+    B, Q, T, N = probs_BQTN.shape
+    if N % tokens_per_frame:
+        raise ValueError(f"{N} cached tokens are not whole frames of {tokens_per_frame} tokens")
+    return probs_BQTN.reshape(B, Q, T, N // tokens_per_frame, tokens_per_frame).sum(-1).mean(2)
+
+
+
+# ---- derived views (pure functions of a KVStats; never NaN) -----------------------------
+def _num_tokens(stats: KVStats, kind: str) -> Tensor:
+    """Tokens per layer as float64 [L, 1, 1], at least 1 so empty layers divide to 0."""
+    return stats[f"{kind}.count"].clamp(min=1).double().view(-1, 1, 1)
+
+
+def mean(stats: KVStats, kind: str) -> Tensor:
+    """Per-channel mean [L, H, D]."""
+    return stats[f"{kind}.sum"] / _num_tokens(stats, kind)
+
+
+def var(stats: KVStats, kind: str) -> Tensor:
+    """Per-channel population variance (ddof 0) [L, H, D]."""
+    return (stats[f"{kind}.sumsq"] / _num_tokens(stats, kind) - mean(stats, kind) ** 2).clamp(min=0)
+
+
+def std(stats: KVStats, kind: str) -> Tensor:
+    return var(stats, kind).sqrt()
+
+
+def kurtosis(stats: KVStats, kind: str) -> Tensor:
+    """Per-channel kurtosis E[(x-m)^4] / var^2 [L, H, D]: 3 for a Gaussian, more for heavy tails.
+
+    From raw moments (float64): m4 = E4 - 4 m E3 + 6 m^2 E2 - 3 m^4. Channels whose variance
+    is zero or lost in rounding (var <= 1e-12 E[x^2]) get 0, not NaN.
+    """
+    n = _num_tokens(stats, kind)
+    m = mean(stats, kind)
+    e2, e3, e4 = (stats[f"{kind}.{s}"] / n for s in ("sumsq", "sum3", "sum4"))
+    m2 = (e2 - m * m).clamp(min=0)
+    m4 = (e4 - 4 * m * e3 + 6 * m * m * e2 - 3 * m**4).clamp(min=0)
+    ok = (m2 > _EPS * e2) & (m2 > 0)
+    return torch.where(ok, m4 / torch.where(ok, m2 * m2, 1.0), 0.0)
+
+
+def percentile(stats: KVStats, kind: str, q: float) -> Tensor:
+    """Per-channel q-quantile (q in [0, 1]) from the histogram [L, H, D].
+
+    Same definition as torch.quantile (linear between order statistics, position q (n-1)):
+    the bin holding order statistic floor(q (n-1)) is found from the cumulative counts and its
+    values are taken as evenly spread in the bin; the result is clamped to the channel's
+    [min, max], so q = 0 and q = 1 are exact. Within one bin width of the exact quantile when
+    the data is in range and neighbouring order statistics share a bin (dense data); less
+    accurate in the open-ended edge bins.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"percentile q must be in [0, 1], got {q}")
+    cfg = stats.config
+    hist = stats[f"{kind}.hist"]
+    n = stats[f"{kind}.count"].double().view(-1, 1, 1)
+    rank = q * (n - 1).clamp(min=0)
+    cum = hist.cumsum(-1)
+    r0 = rank.floor().long().expand(hist.shape[:-1]).unsqueeze(-1).contiguous()
+    j = torch.searchsorted(cum, r0, right=True).clamp(max=cfg.num_bins - 1)
+    before = (cum.gather(-1, j) - hist.gather(-1, j)).squeeze(-1).double()
+    in_bin = hist.gather(-1, j).squeeze(-1).double().clamp(min=1)
+    frac = ((rank - before + 0.5) / in_bin).clamp(0, 1)
+    value = cfg.hist_range[0] + (j.squeeze(-1).double() + frac) * cfg.bin_width
+    value = torch.minimum(torch.maximum(value, stats[f"{kind}.min"]), stats[f"{kind}.max"])
+    return torch.where(n > 0, value, 0.0)
+
+
+def outlier_ratio(stats: KVStats, kind: str) -> Tensor:
+    """Channel absmax over the median channel absmax of the same layer and head [L, H, D]."""
+    absmax = stats[f"{kind}.absmax"]
+    median = absmax.median(dim=-1, keepdim=True).values
+    return absmax / median.clamp(min=_EPS)
+
+
+def outlier_channels(stats: KVStats, kind: str, top_k: int = 8) -> list[list[dict[str, float]]]:
+    """Per layer, the top_k channels by `outlier_ratio`: [{head, channel, ratio, absmax}, ...]."""
+    ratio_LHD, absmax_LHD = outlier_ratio(stats, kind), stats[f"{kind}.absmax"]
+    D = stats.config.head_dim
+    out = []
+    for layer in range(stats.config.num_layers):
+        top = ratio_LHD[layer].flatten().topk(min(top_k, ratio_LHD[layer].numel()))
+        out.append([
+            {"head": int(i) // D, "channel": int(i) % D, "ratio": float(r),
+             "absmax": float(absmax_LHD[layer].flatten()[i])}
+            for r, i in zip(top.values, top.indices)
+        ])
+    return out
+
+
+def age_profile(stats: KVStats) -> Tensor:
+    """Mean share of a query row's attention on frames of each age [L, Q, A] (sums to 1 over A)."""
+    return stats["attn.age_mass"] / stats["attn.rows"].clamp(min=1).double().view(-1, 1, 1)
+
+
+def age_ratio(stats: KVStats) -> Tensor:
+    """Mass on frames of each age over what uniform attention gives them [L, Q, A] (1 = uniform)."""
+    uniform = stats["attn.age_uniform"].unsqueeze(1)
+    return torch.where(uniform > 0, stats["attn.age_mass"] / uniform.clamp(min=_EPS), 0.0)
+
+
+def anchor_ratio(stats: KVStats) -> Tensor:
+    """Mass on absolute frames s < S over the uniform share, while they were cached [L, Q, S]."""
+    uniform = stats["attn.anchor_uniform"].unsqueeze(1)
+    return torch.where(uniform > 0, stats["attn.anchor_mass"] / uniform.clamp(min=_EPS), 0.0)
+
+
+def anchor_frames(stats: KVStats, threshold: float = 4.0) -> list[list[int]]:
+    """Per layer, the frames s < S some head attends with >= threshold x the uniform share."""
+    hot_LS = anchor_ratio(stats).amax(dim=1) >= threshold
+    return [torch.nonzero(hot_S).flatten().tolist() for hot_S in hot_LS]
+
+
+def bucket_mean_absmax(stats: KVStats, kind: str) -> Tensor:
+    """Mean over tokens of the token's absmax, per frame bucket [L, H, U] (0 for empty buckets)."""
+    count = stats[f"{kind}.bucket_count"].unsqueeze(1)
+    return stats[f"{kind}.bucket_absmax_sum"] / count.clamp(min=1).double()
+
+
+def range_drift(stats: KVStats, kind: str) -> Tensor:
+    """`bucket_mean_absmax` over its value in each layer's first non-empty bucket [L, H, U].
+
+    1 everywhere means the ranges a calibration sees early hold for the whole rollout.
+    Empty buckets (and layers without data) are 0.
+    """
+    m_LHU = bucket_mean_absmax(stats, kind)
+    has_LU = stats[f"{kind}.bucket_count"] > 0
+    first_L = has_LU.int().argmax(dim=1)
+    ref_LH1 = m_LHU.gather(2, first_L.view(-1, 1, 1).expand(-1, m_LHU.shape[1], 1))
+    drift = m_LHU / ref_LH1.clamp(min=_EPS)
+    return torch.where(has_LU.unsqueeze(1) & (ref_LH1 > 0), drift, 0.0)
+
+
+def _r(x: float) -> float:
+    return round(float(x), 6)
+
+
+def report(stats: KVStats, top_k: int = 8, anchor_threshold: float = 4.0) -> dict[str, Any]:
+    """A JSON-able summary a person can read: outliers, kurtosis, anchors, range drift."""
+    cfg = stats.config
+    out: dict[str, Any] = {"config": json.loads(cfg.to_json())}
+    for kind in KINDS:
+        kurt = kurtosis(stats, kind)
+        has_U = stats[f"{kind}.bucket_count"].sum(0) > 0
+        buckets = torch.nonzero(has_U).flatten().tolist()
+        drift_LU = range_drift(stats, kind).mean(dim=1)
+        out[kind] = {
+            "num_tokens": stats[f"{kind}.count"].tolist(),
+            "outlier_channels": [
+                [{k: (_r(v) if isinstance(v, float) else v) for k, v in c.items()} for c in layer]
+                for layer in outlier_channels(stats, kind, top_k)
+            ],
+            "kurtosis": {
+                "median": _r(kurt.median()),
+                "max": _r(kurt.max()),
+                "per_layer_max": [_r(x) for x in kurt.flatten(1).amax(1)],
+            },
+            "range_drift": {
+                "bucket_frames": [[u * cfg.bucket_size, (u + 1) * cfg.bucket_size] for u in buckets],
+                "mean_absmax_ratio": [[_r(drift_LU[layer, u]) for u in buckets] for layer in range(cfg.num_layers)],
+            },
+        }
+    ages = torch.nonzero(stats["attn.age_pairs"].sum(0) > 0).flatten().tolist()
+    profile_A = age_profile(stats).mean(dim=(0, 1))
+    out["attention"] = {
+        "num_rows": stats["attn.rows"].tolist(),
+        "anchor_threshold": anchor_threshold,
+        "anchor_frames": anchor_frames(stats, anchor_threshold),
+        "anchor_ratio": [[_r(x) for x in layer] for layer in anchor_ratio(stats).amax(dim=1)],
+        "age_profile": {"ages": ages, "mass_share": [_r(profile_A[a]) for a in ages]},
+    }
+    return out
+
+
+def plot_report(stats: KVStats, path: str | os.PathLike) -> None:
+    """PNG: K and V channel absmax per layer (rows) x channel (cols, head-major), log colour;
+    and the attention mass share vs frame age per layer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    # Figure + Agg canvas directly: no pyplot, so no global backend is chosen or changed
+    fig = Figure(figsize=(12, 9), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 1)
+    cfg = stats.config
+    for ax, kind in zip(axes[:2], KINDS):
+        absmax = stats[f"{kind}.absmax"].flatten(1).float()
+        positive = absmax[absmax > 0]
+        floor = float(positive.min()) if positive.numel() else 1e-3
+        top = max(float(absmax.max()), floor * 2)
+        image = ax.imshow(absmax.clamp(min=floor).numpy(), aspect="auto", interpolation="nearest",
+                          norm=LogNorm(vmin=floor, vmax=top), cmap="magma")
+        for h in range(1, cfg.num_heads):
+            ax.axvline(h * cfg.head_dim - 0.5, color="white", linewidth=0.5)
+        ax.set_title(f"{kind.upper()} channel absmax (head boundaries as lines)")
+        ax.set_xlabel("channel (head x head_dim + d)")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(cfg.num_layers))
+        fig.colorbar(image, ax=ax, label="absmax")
+    ax = axes[2]
+    profile_LA = age_profile(stats).mean(dim=1)
+    ages = torch.nonzero(stats["attn.age_pairs"].sum(0) > 0).flatten()
+    if ages.numel():
+        for layer in range(cfg.num_layers):
+            ax.plot(ages.numpy(), profile_LA[layer, ages].numpy(), marker=".", label=f"layer {layer}")
+        ax.legend(fontsize="small", ncol=max(1, cfg.num_layers // 8))
+        if int(ages.max()) > 32:
+            ax.set_xscale("symlog", linthresh=8)
+    else:
+        ax.text(0.5, 0.5, "no attention recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"attention mass share by frame age (last age {cfg.max_age} holds all older)")
+    ax.set_xlabel("age (newest frame index - attended frame index)")
+    ax.set_ylabel("mean mass share")
+    fig.savefig(path, dpi=100)

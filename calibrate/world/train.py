@@ -1,0 +1,230 @@
+"""Train TinyWorld: teacher forcing, then self-forcing, on a revisit-heavy curriculum.
+
+Three facts from feasibility probes shape this loop:
+- one-step training alone gives rollouts that blur after ~16 frames, so after `warmup_steps`
+  a growing share of batches (up to `self_forcing_max`) is trained on the model's *own*
+  rollout: frames 1..S-1 of the clip are replaced by a no-grad rollout through the cache and
+  the model learns to predict the true next frame from them (self-forcing, one step of grad);
+- recall through the cache does not emerge from ordinary motion: half of the clips
+  (`revisit_share`) turn 90-180 degrees away and come back, gradually or in one snap, so the
+  returning view can only come from a cached frame;
+- pose-aware rotary encoding (see model.py) lets attention find that frame.
+
+Every batch is rendered on the fly from fresh training-range seeds (a new scene per clip);
+the seeds of step s are a pure function of s, so a resumed run sees the same data.
+
+Checkpoints are safetensors (model, AdamW moments, step and loss log in the metadata) written
+atomically every `checkpoint_every` steps; `train(..., resume=True)` continues from one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from calibrate.cache import KVCache
+from calibrate.world.model import TinyWorld, TinyWorldConfig
+from calibrate.world.render import make_scene, render
+from calibrate.world.rollout import rollout
+from calibrate.world.trajectories import SEED_RANGES, make_trajectory
+
+log = logging.getLogger(__name__)
+
+MOTION_FAMILIES = ("orbit", "dolly", "pan", "random_walk", "stress")
+
+
+@dataclass
+class TrainConfig:
+    """Training schedule of TinyWorld (`task=train_world`)."""
+
+    steps: int = 3000  # optimizer steps in total (a resumed run continues up to this)
+    batch_size: int = 12  # clips per step
+    clip_frames: int = 24  # frames per clip (clip_frames - 1 predictions)
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 100  # linear lr warmup
+    self_forcing_start: int = 400  # first step that may use own rollouts as inputs
+    self_forcing_max: float = 0.5  # share of self-forced batches once ramped up
+    self_forcing_ramp: int = 600  # steps from start to max
+    revisit_share: float = 0.5  # share of clips from the `revisit` family
+    window: int = 16  # cache window the model trains under (frames)
+    sink_frames: int = 1
+    new_per_step: int = 4  # freshly rendered clips per step (the rest are replayed)
+    replay_steps: int = 100  # replayed clips come from this many previous steps
+    checkpoint_every: int = 50
+    seed: int = 0  # offset into the training seed range
+    num_threads: int = 0  # torch threads (0 = torch default)
+    model: dict = field(default_factory=dict)  # TinyWorldConfig overrides
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def self_forcing_share(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.self_forcing_start:
+        return 0.0
+    return cfg.self_forcing_max * min(1.0, (step - cfg.self_forcing_start + 1) / max(1, cfg.self_forcing_ramp))
+
+
+class ClipSource:
+    """Training clips: clip `c` is a pure function of c (its family, seed and scene).
+
+    Step s trains on the `new_per_step` newest clips (ids s*k ... s*k+k-1) plus clips drawn
+    from the previous `replay_steps` steps' ids, so each clip is rendered once and seen
+    about B/k times. Rendered clips live in a bounded cache; a resumed run re-renders on
+    demand and sees exactly the same batches.
+    """
+
+    def __init__(self, cfg: "TrainConfig"):
+        self.cfg = cfg
+        self._cache: OrderedDict[int, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._capacity = cfg.new_per_step * (cfg.replay_steps + 1)
+
+    def clip(self, clip_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if clip_id in self._cache:
+            self._cache.move_to_end(clip_id)
+            return self._cache[clip_id]
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + clip_id)
+        if torch.rand((), generator=gen).item() < cfg.revisit_share:
+            family = "revisit"
+        else:
+            family = MOTION_FAMILIES[int(torch.randint(len(MOTION_FAMILIES), (), generator=gen))]
+        lo, hi = SEED_RANGES["train"]
+        seed = lo + (cfg.seed + clip_id) % (hi - lo)
+        traj = make_trajectory(family, seed, cfg.clip_frames)
+        item = (render(make_scene(seed), traj.poses), traj.poses, traj.actions)
+        self._cache[clip_id] = item
+        while len(self._cache) > self._capacity:
+            self._cache.popitem(last=False)
+        return item
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Frames [B, N, 3, H, W], poses and actions [B, N, 3] for training step `step`."""
+        cfg, k = self.cfg, self.cfg.new_per_step
+        ids = list(range(step * k, step * k + k))
+        gen = torch.Generator().manual_seed(cfg.seed * 3_000_017 + step)
+        lo, hi = max(0, step - cfg.replay_steps) * k, max(step, 1) * k  # step 0 replays its own clips
+        ids += torch.randint(lo, hi, (cfg.batch_size - k,), generator=gen).tolist()
+        frames, poses, actions = zip(*(self.clip(c) for c in ids))
+        return torch.stack(frames), torch.stack(poses), torch.stack(actions)
+
+
+def train_step(model, opt, step: int, cfg: TrainConfig, source: ClipSource) -> float:
+    frames, poses, actions = source.batch(step)
+    inputs = frames
+    gen = torch.Generator().manual_seed(cfg.seed * 7_000_003 + step)
+    if torch.rand((), generator=gen).item() < self_forcing_share(step, cfg):
+        model.eval()
+        cache = KVCache(model.cfg.num_layers, cfg.window, cfg.sink_frames)
+        own = rollout(model, cache, frames[:, 0], poses, actions)
+        inputs = torch.cat([frames[:, :1], own[:, 1:]], dim=1)
+        model.train()
+    pred = model(inputs, poses, actions, cfg.window, cfg.sink_frames)
+    loss = F.mse_loss(pred, frames[:, 1:])
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+# ---- checkpoints (safetensors, atomic) ------------------------------------------------------
+def save_checkpoint(path: Path, model, opt, step: int, losses: list, cfg: TrainConfig) -> None:
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    names = {p: n for n, p in model.named_parameters()}
+    opt_steps = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state:
+                tensors[f"optim.{names[p]}.exp_avg"] = state["exp_avg"].contiguous()
+                tensors[f"optim.{names[p]}.exp_avg_sq"] = state["exp_avg_sq"].contiguous()
+                opt_steps[names[p]] = float(state["step"])
+    meta = {
+        "format": "tinyworld-checkpoint",
+        "step": str(step),
+        "model_config": json.dumps(model.cfg.to_dict()),
+        "train_config": json.dumps(asdict(cfg)),
+        "optim_steps": json.dumps(opt_steps),
+        "losses": json.dumps(losses),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    opt_steps = json.loads(meta["optim_steps"])
+    for name, p in model.named_parameters():
+        if name in opt_steps:
+            opt.state[p] = {
+                "step": torch.tensor(opt_steps[name]),
+                "exp_avg": tensors[f"optim.{name}.exp_avg"],
+                "exp_avg_sq": tensors[f"optim.{name}.exp_avg_sq"],
+            }
+    return int(meta["step"]), json.loads(meta["losses"])
+
+
+def export_weights(model: TinyWorld, path: Path, extra_meta: dict | None = None) -> None:
+    """Write the shipped weights file: fp32 tensors + the architecture as JSON metadata."""
+    meta = {"format": "tinyworld-weights", "format_version": "1.0", "config": json.dumps(model.cfg.to_dict())}
+    meta.update({k: json.dumps(v) if not isinstance(v, str) else v for k, v in (extra_meta or {}).items()})
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig, out_dir: Path, resume: bool = True) -> TinyWorld:
+    """Train (or continue training) TinyWorld; checkpoints and the loss log go to `out_dir`."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model = TinyWorld(TinyWorldConfig(**cfg.model))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ckpt = out_dir / "checkpoint.safetensors"
+    start, losses = 0, []
+    if resume and ckpt.exists():
+        start, losses = load_checkpoint(ckpt, model, opt)
+        log.info("resumed from %s at step %d", ckpt, start)
+    model.train()
+    source = ClipSource(cfg)
+    t0 = time.time()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train_world")
+    with open(out_dir / "loss.jsonl", "a") as loss_log:
+        for step in bar:
+            loss = train_step(model, opt, step, cfg, source)
+            losses.append(round(loss, 6))
+            loss_log.write(json.dumps({"step": step, "loss": loss, "lr": lr_at(step, cfg)}) + "\n")
+            bar.set_postfix(loss=f"{loss:.5f}", sf=f"{self_forcing_share(step, cfg):.2f}")
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                loss_log.flush()
+                save_checkpoint(ckpt, model, opt, step + 1, losses, cfg)
+    log.info("trained %d steps in %.0f s", cfg.steps - start, time.time() - t0)
+    model.eval()
+    return model
