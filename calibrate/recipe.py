@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -38,6 +37,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
+
+from calibrate.io import write_bytes_atomic
 
 FORMAT = "kv-recipe"
 FORMAT_VERSION = "1.0"
@@ -189,25 +190,9 @@ def to_bytes(recipe: Recipe) -> bytes:
     return save(tensors, metadata=meta)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that the path holds either the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
     validate(recipe, str(path))
-    atomic_write_bytes(path, to_bytes(recipe))
+    write_bytes_atomic(path, to_bytes(recipe))
 
 
 # ---- loading and validation ---------------------------------------------------------------

@@ -40,6 +40,10 @@ Legend: L layers, H kv heads, Q attention (query) heads, D head_dim, T tokens pe
 B batch, F cached frames, NB histogram bins, A = max_age + 1 ages, S = num_anchor_frames,
 U = ceil(max_frames / bucket_size) frame buckets (frames past max_frames go to the last).
 
+Memory is fixed by the config. At Wan scale (L=30, H=12, D=128, NB=256) the histograms take
+94 MB and the Gram matrices 47 MB per kind; everything else is small. Updates accumulate in
+float64 on `device` (put it on the GPU next to the model to keep replay fast).
+
 Derived views (`mean`, `var`, `kurtosis`, `percentile`, `outlier_channels`, `anchor_frames`,
 `range_drift`, ...) are pure functions of a `KVStats`; they never return NaN, also for empty,
 zero or constant input. Query vectors are not summarised here: `QuerySample` keeps a bounded
@@ -207,10 +211,11 @@ class KVStats:
         x_HND = x_BHTD.detach().to(self.device, torch.float64).permute(1, 0, 2, 3).reshape(H, B * T, D)
         if not torch.isfinite(x_HND).all():
             raise ValueError(f"non-finite {kind} values in layer {layer}, frame {frame_index}")
-        t = {stat: self.tensors[f"{kind}.{stat}"][layer] for stat in MERGE if f"{kind}.{stat}" in self.tensors}
+        # this layer's slice of every tensor of `kind`, updated in place
+        t = {name.split(".", 1)[1]: x[layer] for name, x in self.tensors.items() if name.startswith(f"{kind}.")}
         x2_HND = x_HND * x_HND
         a_HND = x_HND.abs()
-        self.tensors[f"{kind}.count"][layer] += B * T
+        t["count"] += B * T
         t["sum"] += x_HND.sum(1)
         t["sumsq"] += x2_HND.sum(1)
         t["sum3"] += (x2_HND * x_HND).sum(1)
@@ -247,11 +252,11 @@ class KVStats:
         """
         cfg = self.config
         self._check_layer(layer)
-        B, Q, F = probs_BQF.shape
-        if Q != cfg.query_heads or F != len(frame_indices) or F == 0:
+        if probs_BQF.dim() != 3 or probs_BQF.shape[1:] != (cfg.query_heads, len(frame_indices)) or not frame_indices:
             raise ValueError(
                 f"attention probs must be [B, {cfg.query_heads}, {len(frame_indices)} frames], got {list(probs_BQF.shape)}"
             )
+        B, Q, F = probs_BQF.shape
         if len(set(frame_indices)) != F or min(frame_indices) < 0 or max(frame_indices) > newest:
             raise ValueError(f"frame_indices must be distinct, in [0, newest={newest}], got {frame_indices}")
         idx_F = torch.tensor(frame_indices, dtype=torch.int64, device=self.device)
@@ -406,6 +411,7 @@ class QuerySample:
     `KVStats`, not order-independent: merge(a, b) and merge(b, a) may keep different rows.
     What always holds: at most `capacity` rows, every row comes from a or b, the union is
     kept whole when it fits, `num_seen` adds up, and the same inputs give the same output.
+    Reservoirs with different seeds merge (the result takes the first one's seed).
     """
 
     def __init__(self, *, num_layers: int, num_heads: int, head_dim: int, capacity: int = 4096,
@@ -469,7 +475,7 @@ class QuerySample:
 
 def merge_queries(a: QuerySample, b: QuerySample) -> QuerySample:
     """A deterministic weighted subsample of the union of two reservoirs (see QuerySample)."""
-    if a.settings() != b.settings():
+    if {**a.settings(), "seed": 0} != {**b.settings(), "seed": 0}:
         raise ValueError(f"cannot merge query samples with different settings: {a.settings()} vs {b.settings()}")
     out = QuerySample(**a.settings(), device=a.device)
     for layer in range(a.num_layers):
@@ -539,8 +545,9 @@ def percentile(stats: KVStats, kind: str, q: float) -> Tensor:
     the bin holding order statistic floor(q (n-1)) is found from the cumulative counts and its
     values are taken as evenly spread in the bin; the result is clamped to the channel's
     [min, max], so q = 0 and q = 1 are exact. Within one bin width of the exact quantile when
-    the data is in range and neighbouring order statistics share a bin (dense data); less
-    accurate in the open-ended edge bins.
+    the data is in range and neighbouring order statistics share a bin (dense data). The edge
+    bins are taken to reach to the channel's min / max, so out-of-range tails are spread
+    over [min, lo + width] and [hi - width, max]: coarser, but not clipped to the range.
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"percentile q must be in [0, 1], got {q}")
@@ -554,8 +561,15 @@ def percentile(stats: KVStats, kind: str, q: float) -> Tensor:
     before = (cum.gather(-1, j) - hist.gather(-1, j)).squeeze(-1).double()
     in_bin = hist.gather(-1, j).squeeze(-1).double().clamp(min=1)
     frac = ((rank - before + 0.5) / in_bin).clamp(0, 1)
-    value = cfg.hist_range[0] + (j.squeeze(-1).double() + frac) * cfg.bin_width
-    value = torch.minimum(torch.maximum(value, stats[f"{kind}.min"]), stats[f"{kind}.max"])
+    j = j.squeeze(-1)
+    lo_min, hi_max = stats[f"{kind}.min"], stats[f"{kind}.max"]
+    # the edge bins are open-ended: they reach to the channel's min / max
+    lower = cfg.hist_range[0] + j.double() * cfg.bin_width
+    lower = torch.where(j == 0, torch.minimum(lower, lo_min), lower)
+    upper = cfg.hist_range[0] + (j + 1).double() * cfg.bin_width
+    upper = torch.where(j == cfg.num_bins - 1, torch.maximum(upper, hi_max), upper)
+    value = torch.minimum(torch.maximum(lower + frac * (upper - lower), lo_min), hi_max)
+    value = torch.where(rank <= 0, lo_min, torch.where(rank >= n - 1, hi_max, value))
     return torch.where(n > 0, value, 0.0)
 
 

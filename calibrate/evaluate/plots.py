@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from calibrate.evaluate._atomic import write_atomic
+from calibrate.io import write_atomic
 
 DPI = 120
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from calibrate.evaluate._atomic import write_atomic
+from calibrate.io import write_atomic
 
 LABELS = ("reference", "quantized", "error")
 LABEL_BAND = 12

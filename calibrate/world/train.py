@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -30,10 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm import tqdm
 
 from calibrate.cache import KVCache
+from calibrate.io import write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
@@ -166,9 +166,7 @@ def save_checkpoint(path: Path, model, opt, step: int, losses: list, cfg: TrainC
         "optim_steps": json.dumps(opt_steps),
         "losses": json.dumps(losses),
     }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, save(tensors, metadata=meta))
 
 
 def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
@@ -187,16 +185,6 @@ def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
                 "exp_avg_sq": tensors[f"optim.{name}.exp_avg_sq"],
             }
     return int(meta["step"]), json.loads(meta["losses"])
-
-
-def export_weights(model: TinyWorld, path: Path, extra_meta: dict | None = None) -> None:
-    """Write the shipped weights file: fp32 tensors + the architecture as JSON metadata."""
-    meta = {"format": "tinyworld-weights", "format_version": "1.0", "config": json.dumps(model.cfg.to_dict())}
-    meta.update({k: json.dumps(v) if not isinstance(v, str) else v for k, v in (extra_meta or {}).items()})
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
 
 
 def train(cfg: TrainConfig, out_dir: Path, resume: bool = True) -> TinyWorld:

@@ -49,15 +49,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
 
+from calibrate.io import write_bytes_atomic
 from calibrate.world.render import CAMERA_RADIUS, CENTER
 
 FAMILIES = ("orbit", "dolly", "pan", "revisit", "random_walk", "stress", "static")
@@ -453,15 +453,7 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
         tensors[f"{i}.poses"] = traj.poses.to(torch.float32).contiguous()
         tensors[f"{i}.actions"] = traj.actions.to(torch.float32).contiguous()
         metadata[f"{i}.meta"] = json.dumps({"family": traj.family, "seed": traj.seed, "num_frames": traj.num_frames})
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_bytes_atomic(path, save(tensors, metadata=metadata))
 
 
 def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:

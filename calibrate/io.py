@@ -1,4 +1,9 @@
-"""Atomic file writes: a reader never sees a half-written plot or strip."""
+"""Atomic file writes: a reader (or a crash) never sees a half-written recipe, stats file or plot.
+
+Everything the project writes goes through here: a temporary file next to the target,
+flushed and fsynced, then renamed onto the target (a rename within one directory is atomic on
+POSIX and Windows). On any error the temporary file is removed and the target is untouched.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,18 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    return write_atomic(path, lambda f: f.write(data))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    return write_atomic(path, lambda f: f.write(text.encode("utf-8")))

@@ -1,0 +1,164 @@
+"""Typed configuration: one dataclass per Hydra config group, validated with actionable errors.
+
+Hydra composes `conf/` (config groups mirror the independent choices: model, trajectories,
+quant, fit, eval, check, train); `to_config` merges the result into these dataclasses, which
+rejects unknown keys and wrong types, then `validate` checks values. Every problem raises
+`ValueError` with one line that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from calibrate.world.train import TrainConfig
+from calibrate.world.trajectories import FAMILIES
+
+TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
+
+
+@dataclass
+class CacheConfig:
+    window: int = 16  # frames kept besides the sinks (the newest frame counts)
+    sink_frames: int = 1  # first frames kept forever
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tinyworld"
+    weights: str | None = None  # weights file; None = the shipped artifacts/models/tinyworld.safetensors
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+@dataclass
+class TrajectoriesConfig:
+    name: str = "calibration"
+    split: str = "auto"  # auto: calibration seeds for stats/calibrate, evaluation seeds for evaluate/compare/check
+    families: list[str] = field(default_factory=lambda: list(FAMILIES))
+    num_trajectories: int = 7
+    num_frames: int = 256
+    seed: int = 0  # offset into the split's seed range
+    file: str | None = None  # load trajectories from this file instead of generating them
+    batch_size: int = 8  # trajectories rolled out together
+
+
+@dataclass
+class QuantConfig:
+    preset: str = "ours"  # a baseline name (fp16, naive2, kivi2, ...) or "ours" (fitted)
+
+
+@dataclass
+class FitConfig:
+    budget_bits: float = 2.5  # average effective bits per cached element, every overhead counted
+    lambda_temporal: float = 1.0  # weight of the frame-to-frame change of the attention-output error
+    closed_loop_frames: int = 96  # horizon of the closed-loop rollouts that select among candidates
+    closed_loop_trajectories: int = 3
+    clip_grid: list[float] = field(default_factory=lambda: [1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6])
+    rotations: list[str] = field(default_factory=lambda: ["none", "hadamard", "learned"])
+    outlier_channels: int = 2  # per head, kept in float16 (0 = off)
+    anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
+    mixed_precision: bool = True
+    sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
+    comp_rank: int = 0  # low-rank residual compensator rank (0 = off)
+
+
+@dataclass
+class EvalConfig:
+    save_frames: bool = False  # also write frames.safetensors (reference, quantized, ground truth)
+    psnr_threshold_db: float = 30.0  # drift: first frame whose psnr_ref falls below this
+    strips: bool = True
+    attention: bool = True  # per-layer attention KL / top-frame agreement (costs a second pass)
+
+
+@dataclass
+class CheckConfig:
+    tolerance_db: float = 1.0  # allowed psnr drop vs the recipe's recorded metrics
+    flicker_tolerance: float = 0.25  # allowed relative flicker increase
+    min_psnr_db: float | None = None  # absolute floors override the recorded metrics
+    max_flicker: float | None = None
+
+
+@dataclass
+class Config:
+    task: str = "calibrate"
+    device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
+    seed: int = 0
+    recipe: str | None = None
+    schemes: list[str] = field(default_factory=lambda: ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "kvquant2", "qvg2"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trajectories: TrajectoriesConfig = field(default_factory=TrajectoriesConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Merge a composed Hydra config into the typed schema and validate it."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        plain = {k: v for k, v in plain.items() if k != "hydra"}
+        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        out: Any = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        first = str(e).splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ValueError(f"config: {first}" + (f" (key: {key})" if key and key not in first else "")) from None
+    validate(out)
+    return out
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"config: {name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    if cfg.task not in TASKS:
+        raise ValueError(f"config: unknown task '{cfg.task}'; choose one of {', '.join(TASKS)}")
+    if cfg.device != "auto" and cfg.device != "cpu" and not cfg.device.startswith("cuda"):
+        raise ValueError(f"config: device must be auto, cpu or cuda[:N], got '{cfg.device}'")
+    _positive("model.cache.window", cfg.model.cache.window)
+    _positive("model.cache.sink_frames", cfg.model.cache.sink_frames, allow_zero=True)
+    t = cfg.trajectories
+    if t.split not in ("auto", "train", "calibration", "evaluation"):
+        raise ValueError(f"config: trajectories.split must be auto, train, calibration or evaluation, got '{t.split}'")
+    unknown = [f for f in t.families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"config: unknown trajectory family {unknown[0]!r}; families are {', '.join(FAMILIES)}")
+    if not t.families:
+        raise ValueError("config: trajectories.families is empty")
+    _positive("trajectories.num_trajectories", t.num_trajectories)
+    _positive("trajectories.num_frames", t.num_frames)
+    _positive("trajectories.batch_size", t.batch_size)
+    _positive("trajectories.seed", t.seed, allow_zero=True)
+    f = cfg.fit
+    _positive("fit.budget_bits", f.budget_bits)
+    _positive("fit.lambda_temporal", f.lambda_temporal, allow_zero=True)
+    _positive("fit.closed_loop_frames", f.closed_loop_frames)
+    _positive("fit.sample_tokens", f.sample_tokens)
+    _positive("fit.outlier_channels", f.outlier_channels, allow_zero=True)
+    _positive("fit.comp_rank", f.comp_rank, allow_zero=True)
+    if not f.clip_grid or any(not 0 < c <= 1 for c in f.clip_grid):
+        raise ValueError(f"config: fit.clip_grid values must lie in (0, 1], got {f.clip_grid}")
+    bad = [r for r in f.rotations if r not in ("none", "hadamard", "learned")]
+    if bad or not f.rotations:
+        raise ValueError(f"config: fit.rotations must be a non-empty subset of none, hadamard, learned, got {f.rotations}")
+    _positive("train.steps", cfg.train.steps)
+    _positive("train.batch_size", cfg.train.batch_size)
+    if cfg.train.clip_frames < 2:
+        raise ValueError(f"config: train.clip_frames must be >= 2, got {cfg.train.clip_frames}")
+    if cfg.task in ("evaluate", "check") and not cfg.recipe:
+        raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
+    if cfg.task == "compare" and not cfg.schemes:
+        raise ValueError("config: task=compare needs a non-empty schemes=[...]")
+
+
+def resolve_split(cfg: Config) -> str:
+    if cfg.trajectories.split != "auto":
+        return cfg.trajectories.split
+    return "calibration" if cfg.task in ("stats", "calibrate") else "evaluation"

@@ -1,0 +1,148 @@
+"""Drive a world model over trajectories through a cache, and record what the cache sees.
+
+`RecordingCache` is the full-precision cache plus observers: at cache-write time it feeds
+every layer's K and V (post-rotary) to the streaming `KVStats`, offers Q/K/V tokens to bounded
+reservoirs, adds the attention mass per cached frame (for sink/anchor detection) and,
+optionally, keeps a bounded *trace* of whole frames (Q, K, V per layer) that the fitters
+replay teacher-forced. The attention output it returns is computed exactly as the plain
+`KVCache` computes it, so recording never changes a rollout (a test checks bitwise equality).
+
+Non-finite K/V stop the replay with the layer, head and frame where they appeared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.recipe import ModelInfo
+from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass
+from calibrate.world.model import TinyWorld, model_fingerprint
+from calibrate.world.render import make_scene, render
+from calibrate.world.rollout import rollout
+from calibrate.world.trajectories import Trajectory
+
+
+class NonFiniteError(ValueError):
+    """K or V with NaN/Inf during replay (a broken model or weights file)."""
+
+
+def model_info(model: TinyWorld, name: str = "tinyworld") -> ModelInfo:
+    c = model.cfg
+    return ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_heads, head_dim=c.head_dim,
+                     tokens_per_frame=c.tokens_per_frame, fingerprint=model_fingerprint(model))
+
+
+@dataclass
+class Trace:
+    """Whole frames of one batch of trajectories: per layer lists of [B, H, T, D] per frame."""
+
+    q: list[list[Tensor]]
+    k: list[list[Tensor]]
+    v: list[list[Tensor]]
+
+    @staticmethod
+    def empty(num_layers: int) -> "Trace":
+        return Trace([[] for _ in range(num_layers)], [[] for _ in range(num_layers)], [[] for _ in range(num_layers)])
+
+    def stacked(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(q, k, v) of `layer` as [B, H, F, T, D]."""
+        return tuple(torch.stack(x[layer], dim=2) for x in (self.q, self.k, self.v))  # type: ignore[return-value]
+
+
+@dataclass
+class Recorder:
+    """What a recording cache writes into (shared across trajectories and batches)."""
+
+    stats: KVStats
+    q: QuerySample
+    k: QuerySample
+    v: QuerySample
+    trace_frames: int = 0  # keep whole frames of the first `trace_frames` frames of traced batches
+    traces: list[Trace] = field(default_factory=list)
+
+    @staticmethod
+    def create(info: ModelInfo, sample_tokens: int = 4096, trace_frames: int = 0, seed: int = 0) -> "Recorder":
+        cfg = KVStatsConfig(num_layers=info.num_layers, num_heads=info.num_kv_heads, head_dim=info.head_dim)
+        sample = lambda s: QuerySample(num_layers=info.num_layers, num_heads=info.num_kv_heads,
+                                       head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s)
+        return Recorder(KVStats(cfg), sample(0), sample(1), sample(2), trace_frames)
+
+
+class RecordingCache(KVCache):
+    def __init__(self, num_layers: int, window: int, sink_frames: int, recorder: Recorder, trace: Trace | None = None):
+        super().__init__(num_layers, window, sink_frames)
+        self.recorder = recorder
+        self.trace = trace
+
+    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        index = self._num_appended[layer]
+        _check_finite(layer, index, k_BHTD, "K")
+        _check_finite(layer, index, v_BHTD, "V")
+        out = super().attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
+        rec = self.recorder
+        k_post = key_rope.apply(k_BHTD)
+        rec.stats.update(layer, k_post, v_BHTD, index)
+        k_all, _ = self.read(layer)
+        logits = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) / math.sqrt(q_BHTD.shape[-1])
+        rec.stats.update_attention(layer, frame_mass(logits.softmax(-1), q_BHTD.shape[2]), self.frame_indices(layer), index)
+        rec.q.update(layer, q_BHTD)
+        rec.k.update(layer, k_post)
+        rec.v.update(layer, v_BHTD)
+        if self.trace is not None and index < rec.trace_frames:
+            self.trace.q[layer].append(q_BHTD.detach().cpu())
+            self.trace.k[layer].append(k_post.detach().cpu())
+            self.trace.v[layer].append(v_BHTD.detach().cpu())
+        return out
+
+
+def _check_finite(layer: int, frame: int, x_BHTD: Tensor, what: str) -> None:
+    bad = ~torch.isfinite(x_BHTD)
+    if bad.any():
+        b, h, t, d = (int(i) for i in bad.nonzero()[0])
+        raise NonFiniteError(f"non-finite {what} during replay at layer {layer}, head {h}, frame {frame} (trajectory {b} of the batch)")
+
+
+def ground_truth(trajs: list[Trajectory], device: torch.device) -> Tensor:
+    """True frames [B, N, 3, H, W] of trajectories of equal length."""
+    return torch.stack([render(make_scene(t.seed), t.poses) for t in trajs]).to(device)
+
+
+def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
+    """Group trajectories of equal length into batches, order kept within a length."""
+    by_len: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        by_len.setdefault(t.num_frames, []).append(t)
+    return [group[i : i + batch_size] for group in by_len.values() for i in range(0, len(group), batch_size)]
+
+
+def rollout_batch(model: TinyWorld, trajs: list[Trajectory], cache: KVCache, device: torch.device,
+                  truth: Tensor | None = None, desc: str | None = None) -> tuple[Tensor, Tensor]:
+    """Free rollout of a batch through `cache`: (generated frames, true frames), [B, N, 3, H, W]."""
+    truth = ground_truth(trajs, device) if truth is None else truth
+    poses = torch.stack([t.poses for t in trajs]).to(device)
+    actions = torch.stack([t.actions for t in trajs]).to(device)
+    bar = tqdm(total=poses.shape[1] - 1, desc=desc, leave=False, disable=desc is None)
+    frames = rollout(model, cache, truth[:, 0], poses, actions, on_frame=lambda t, f: bar.update(1))
+    bar.close()
+    return frames, truth
+
+
+def record(model: TinyWorld, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
+           device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None) -> Recorder:
+    """Replay `trajs` with the fp model, recording into `recorder`; returns it."""
+    groups = batches(trajs, batch_size)
+    for i, group in enumerate(tqdm(groups, desc="replay", unit="batch")):
+        trace = Trace.empty(model.cfg.num_layers) if i < trace_batches and recorder.trace_frames else None
+        cache = RecordingCache(model.cfg.num_layers, window, sink_frames, recorder, trace)
+        rollout_batch(model, group, cache, device, desc=f"replay {group[0].family}..")
+        if trace is not None:
+            recorder.traces.append(trace)
+        if on_batch is not None:
+            on_batch(i, group)
+    return recorder

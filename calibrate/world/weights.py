@@ -1,0 +1,71 @@
+"""TinyWorld weights files: fp32 tensors + the architecture as JSON metadata (no pickle)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from calibrate.io import write_bytes_atomic
+from calibrate.world.model import TinyWorld, TinyWorldConfig
+
+WEIGHTS_FORMAT = "tinyworld-weights"
+SHIPPED = Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tinyworld.safetensors"
+
+
+def default_weights_path() -> Path:
+    """The shipped weights: next to the source tree, or installed inside the package."""
+    packaged = Path(__file__).resolve().parent / "tinyworld.safetensors"
+    return SHIPPED if SHIPPED.exists() or not packaged.exists() else packaged
+
+
+def save_weights(model: TinyWorld, path: str | os.PathLike, extra_meta: dict | None = None) -> None:
+    meta = {"format": WEIGHTS_FORMAT, "format_version": "1.0", "config": json.dumps(model.cfg.to_dict(), sort_keys=True)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (extra_meta or {}).items()})
+    tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(model.state_dict().items())}
+    write_bytes_atomic(path, save(tensors, metadata=meta))
+
+
+def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
+    """Build TinyWorld from a weights file; every problem is a one-line ValueError naming the file."""
+    p = Path(path) if path else default_weights_path()
+    if not p.is_file():
+        raise ValueError(f"{p}: TinyWorld weights file not found (train with: python -m calibrate task=train_world)")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise ValueError(f"{p}: not a readable safetensors weights file ({str(e).splitlines()[0][:100]})") from None
+    if meta.get("format") != WEIGHTS_FORMAT:
+        raise ValueError(f"{p}: metadata 'format' is {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
+    try:
+        raw = json.loads(meta["config"])
+        known = {f.name for f in fields(TinyWorldConfig)}
+        cfg = TinyWorldConfig(**{k: v for k, v in raw.items() if k in known})
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: metadata 'config' is missing or invalid ({e})") from None
+    model = TinyWorld(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{p}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
+    for name, t in tensors.items():
+        if name not in expected:
+            raise ValueError(f"{p}: unexpected tensor '{name}'")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{p}: tensor '{name}' has shape {list(t.shape)}, the config needs {list(expected[name].shape)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{p}: tensor '{name}' has NaN or Inf values")
+    model.load_state_dict(tensors)
+    return model.eval()
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})

@@ -1,0 +1,105 @@
+"""Two CPU processes (torchrun + gloo + PartialState(cpu=True), the DESIGN section 8 recipe)
+reduce to exactly the single-process statistics.
+
+This file is also the worker script: torchrun runs it with `--worker OUT_DIR`.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate import stats as S
+from calibrate.distributed import reduce_queries, reduce_stats, shard, shard_indices
+
+L, H, D, T = 2, 2, 8, 4
+NUM_TRAJECTORIES, NUM_FRAMES = 5, 6
+CFG = S.KVStatsConfig(num_layers=L, num_heads=H, head_dim=D, num_bins=32, hist_range=(-4.0, 4.0),
+                      bucket_size=2, max_frames=8, max_age=4)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _collect(trajectories):
+    """Stats and query sample of the given trajectories, each a deterministic random rollout."""
+    st = S.KVStats(CFG)
+    qs = S.QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=16)
+    for traj in trajectories:
+        g = torch.Generator().manual_seed(traj)
+        for f in range(NUM_FRAMES):
+            for layer in range(L):
+                k, v, q = (torch.randn(1, H, T, D, generator=g) * (1 + traj) for _ in range(3))
+                st.update(layer, k, v, f)
+                q[..., 0] = 1000 * traj + T * f + torch.arange(T)  # a unique id per query token
+                qs.update(layer, q)
+                kept = list(range(max(0, f - 2), f + 1))
+                st.update_attention(layer, torch.softmax(torch.randn(1, H, len(kept), generator=g), -1), kept, f)
+    return st, qs
+
+
+def _worker(out_dir: str) -> None:
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    assert state.num_processes == 2 and torch.distributed.get_backend() == "gloo"
+    st, qs = _collect(shard(list(range(NUM_TRAJECTORIES)), state))
+    st = reduce_stats(st, state)
+    qs = reduce_queries(qs, state)
+    st.save(Path(out_dir) / f"rank{state.process_index}.safetensors", model={"world": 2}, queries=qs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_shard_indices_cover_every_item_once(world):
+    for n in (0, 1, 5, 12):
+        parts = [shard_indices(n, rank, world) for rank in range(world)]
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_shard_and_reduce_are_identity_for_one_process():
+    assert shard(["a", "b", "c"], None) == ["a", "b", "c"]
+    st, _ = _collect([0])
+    assert reduce_stats(st, None) is st
+    with pytest.raises(ValueError):
+        shard_indices(3, 2, 2)
+
+
+def test_two_gloo_processes_reduce_exactly(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           __file__, "--worker", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    ranks = [S.load_stats(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
+    single, _ = _collect(range(NUM_TRAJECTORIES))
+    for name, t in single.tensors.items():
+        t0, t1 = ranks[0].stats[name], ranks[1].stats[name]
+        assert torch.equal(t0, t1), name  # every rank holds the same result
+        if t.dtype == torch.int64 or S.merge_rule(name) != "sum":
+            assert torch.equal(t0, t), name  # counts, histograms, min/max: exact
+        else:
+            torch.testing.assert_close(t0, t, rtol=1e-9, atol=1e-12, msg=name)
+
+    q0, q1 = ranks[0].queries, ranks[1].queries
+    for layer in range(L):
+        assert torch.equal(q0.samples(layer), q1.samples(layer))
+        assert len(q0.samples(layer)) == 16 and int(q0.num_seen_L[layer]) == NUM_TRAJECTORIES * NUM_FRAMES * T
+        ids = q0.samples(layer)[:, 0, 0].long()
+        assert ids.unique().numel() == 16
+        assert ((ids // 1000 < NUM_TRAJECTORIES) & (ids % 1000 < NUM_FRAMES * T)).all()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(sys.argv[2])
