@@ -65,7 +65,8 @@ def _check_group(state: Any) -> bool:
     if world == 1:
         return False
     if not dist.is_initialized():
-        raise RuntimeError(f"{world} processes but no torch.distributed process group (create accelerate's state first)")
+        raise RuntimeError(
+            f"{world} processes but no torch.distributed process group (create accelerate's state first)")
     return True
 
 

@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(f)`` on a temporary file next to ``path``, then rename it onto ``path``.
 
@@ -28,6 +34,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -110,17 +110,19 @@ class QuantizedKVCache(KVCache):
         return index
 
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
-        k_rot = key_rope.apply(k_BHTD)
-        index = self.append(layer, k_BHTD, v_BHTD, key_rope)
-        history = [f for f in self.frame_indices(layer) if f != index]
+        self.append(layer, k_BHTD, v_BHTD, key_rope)
+        return softmax_attention(q_BHTD, *self.gather(layer, key_rope.apply(k_BHTD), v_BHTD))
+
+    def gather(self, layer: int, k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values the newest frame attends to: decoded history + its own fresh (post-rotary) K/V."""
+        newest = self._num_appended[layer] - 1
         ks, vs = [], []
-        for f in history:
-            k, v = self._load(layer, f, self._frames[layer][f])
-            ks.append(k)
-            vs.append(v)
-        ks.append(k_rot)
-        vs.append(v_BHTD)
-        return softmax_attention(q_BHTD, torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+        for f in self.frame_indices(layer):
+            if f != newest:
+                k, v = self._load(layer, f, self._frames[layer][f])
+                ks.append(k)
+                vs.append(v)
+        return torch.cat(ks + [k_new_BHTD], dim=2), torch.cat(vs + [v_new_BHTD], dim=2)
 
     # ---- bytes -------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -55,15 +55,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
+
+from calibrate.io import write_atomic, write_bytes_atomic
 
 FORMAT = "kv-stats"
 FORMAT_VERSION = "1.0"
@@ -212,7 +213,8 @@ class KVStats:
         if not torch.isfinite(x_HND).all():
             raise ValueError(f"non-finite {kind} values in layer {layer}, frame {frame_index}")
         # this layer's slice of every tensor of `kind`, updated in place
-        t = {name.split(".", 1)[1]: x[layer] for name, x in self.tensors.items() if name.startswith(f"{kind}.")}
+        t = {name.split(".", 1)[1]: x[layer]
+             for name, x in self.tensors.items() if name.startswith(f"{kind}.")}
         x2_HND = x_HND * x_HND
         a_HND = x_HND.abs()
         t["count"] += B * T
@@ -252,11 +254,12 @@ class KVStats:
         """
         cfg = self.config
         self._check_layer(layer)
-        if probs_BQF.dim() != 3 or probs_BQF.shape[1:] != (cfg.query_heads, len(frame_indices)) or not frame_indices:
+        F = len(frame_indices)
+        if probs_BQF.dim() != 3 or probs_BQF.shape[1:] != (cfg.query_heads, F) or F == 0:
             raise ValueError(
-                f"attention probs must be [B, {cfg.query_heads}, {len(frame_indices)} frames], got {list(probs_BQF.shape)}"
+                f"attention probs must be [B, {cfg.query_heads}, {F} frames], got {list(probs_BQF.shape)}"
             )
-        B, Q, F = probs_BQF.shape
+        B = probs_BQF.shape[0]
         if len(set(frame_indices)) != F or min(frame_indices) < 0 or max(frame_indices) > newest:
             raise ValueError(f"frame_indices must be distinct, in [0, newest={newest}], got {frame_indices}")
         idx_F = torch.tensor(frame_indices, dtype=torch.int64, device=self.device)
@@ -266,7 +269,8 @@ class KVStats:
         t["attn.rows"][layer] += B
         t["attn.age_mass"][layer].index_add_(1, age_F, mass_QF)
         t["attn.age_pairs"][layer].index_add_(0, age_F, torch.full_like(age_F, B))
-        t["attn.age_uniform"][layer].index_add_(0, age_F, torch.full((F,), B / F, dtype=torch.float64, device=self.device))
+        uniform_F = torch.full((F,), B / F, dtype=torch.float64, device=self.device)
+        t["attn.age_uniform"][layer].index_add_(0, age_F, uniform_F)
         anchor_F = idx_F < cfg.num_anchor_frames
         if anchor_F.any():
             s = idx_F[anchor_F]
@@ -304,11 +308,12 @@ class KVStats:
         return stats
 
     def save(self, path: str | os.PathLike, model: Mapping[str, Any] | None = None,
-             queries: QuerySample | None = None) -> None:
-        """Write one safetensors file atomically (temp file in the same directory + rename).
+             samples: Mapping[str, QuerySample] | None = None) -> None:
+        """Write one safetensors file atomically (`calibrate.io`: temp file next to it + rename).
 
         Metadata: format, format_version, config (JSON), model (the caller's JSON-able model
-        description) and, when `queries` is given, its settings; its tensors are stored as q.*.
+        description) and `samples` (JSON: name -> reservoir settings) for the token reservoirs
+        given (e.g. {"q": ..., "k": ..., "v": ...}), whose tensors are stored as sample_<name>.*.
         """
         tensors = self.to_tensors()
         metadata = {
@@ -317,10 +322,11 @@ class KVStats:
             "config": self.config.to_json(),
             "model": json.dumps(dict(model or {}), sort_keys=True),
         }
-        if queries is not None:
-            tensors.update({f"q.{n}": t for n, t in queries.to_tensors().items()})
-            metadata["queries"] = json.dumps(queries.settings(), sort_keys=True)
-        _atomic_save(tensors, metadata, Path(path))
+        for name, sample in (samples or {}).items():
+            tensors.update({f"sample_{name}.{n}": t for n, t in sample.to_tensors().items()})
+        if samples:
+            metadata["samples"] = json.dumps({n: s.settings() for n, s in samples.items()}, sort_keys=True)
+        write_bytes_atomic(path, safetensors_bytes(tensors, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> KVStats:
@@ -329,23 +335,11 @@ class KVStats:
 
 @dataclass
 class StatsFile:
-    """What a stats file holds: the summary, the model description, the optional queries."""
+    """What a stats file holds: the summary, the model description, the token reservoirs."""
 
     stats: KVStats
     model: dict[str, Any]
-    queries: QuerySample | None
-
-
-def _atomic_save(tensors: dict[str, Tensor], metadata: dict[str, str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    samples: dict[str, QuerySample]
 
 
 def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> StatsFile:
@@ -363,20 +357,23 @@ def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> S
         raise ValueError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
     version = metadata.get("format_version", "")
     if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
-        raise ValueError(f"{path}: format_version {version!r} is not readable (this code reads {FORMAT_VERSION})")
+        raise ValueError(f"{path}: format_version {version!r} is not readable (reader: {FORMAT_VERSION})")
     try:
         config = KVStatsConfig.from_json(metadata["config"])
         model = json.loads(metadata.get("model", "{}"))
-        q_settings = json.loads(metadata["queries"]) if "queries" in metadata else None
+        settings = json.loads(metadata.get("samples", "{}"))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: bad metadata ({e})") from e
-    q_tensors = {n[2:]: tensors.pop(n) for n in list(tensors) if n.startswith("q.")}
+    samples = {}
     try:
+        for name, sample_settings in settings.items():
+            prefix = f"sample_{name}."
+            part = {n[len(prefix):]: tensors.pop(n) for n in list(tensors) if n.startswith(prefix)}
+            samples[name] = QuerySample.from_tensors(sample_settings, part, device)
         stats = KVStats.from_tensors(config, tensors, device)
-        queries = QuerySample.from_tensors(q_settings, q_tensors, device) if q_settings is not None else None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
-    return StatsFile(stats=stats, model=model, queries=queries)
+    return StatsFile(stats=stats, model=model, samples=samples)
 
 
 def merge(a: KVStats, b: KVStats) -> KVStats:
@@ -437,7 +434,8 @@ class QuerySample:
         """Offer every token of one frame's queries of `layer` to the reservoir."""
         B, Q, T, D = q_BQTD.shape
         if Q != self.num_heads or D != self.head_dim:
-            raise ValueError(f"queries must be [B, {self.num_heads}, T, {self.head_dim}], got {list(q_BQTD.shape)}")
+            raise ValueError(
+                f"queries must be [B, {self.num_heads}, T, {self.head_dim}], got {list(q_BQTD.shape)}")
         rows_NQD = q_BQTD.detach().to(self.device, torch.float32).permute(0, 2, 1, 3).reshape(B * T, Q, D)
         n, seen, C = B * T, int(self.num_seen_L[layer]), self.capacity
         pos_N = seen + torch.arange(n)
@@ -476,7 +474,7 @@ class QuerySample:
 def merge_queries(a: QuerySample, b: QuerySample) -> QuerySample:
     """A deterministic weighted subsample of the union of two reservoirs (see QuerySample)."""
     if {**a.settings(), "seed": 0} != {**b.settings(), "seed": 0}:
-        raise ValueError(f"cannot merge query samples with different settings: {a.settings()} vs {b.settings()}")
+        raise ValueError(f"cannot merge query samples with settings {a.settings()} and {b.settings()}")
     out = QuerySample(**a.settings(), device=a.device)
     for layer in range(a.num_layers):
         xa, xb = a.samples(layer), b.samples(layer).to(a.device)
@@ -484,7 +482,8 @@ def merge_queries(a: QuerySample, b: QuerySample) -> QuerySample:
         cand = torch.cat([xa, xb])
         if len(cand) > a.capacity:
             # Efraimidis-Spirakis weighted sampling: keep the top keys u^(1/w)
-            w = torch.cat([torch.full((len(xa),), na / max(len(xa), 1)), torch.full((len(xb),), nb / max(len(xb), 1))])
+            w = torch.cat([torch.full((len(xa),), na / max(len(xa), 1)),
+                           torch.full((len(xb),), nb / max(len(xb), 1))])
             gen = torch.Generator().manual_seed(_mix(a.seed, layer, na, nb))
             key = torch.rand(len(cand), generator=gen, dtype=torch.float64).log() / w.double()
             cand = cand[key.topk(a.capacity).indices.sort().values.to(a.device)]
@@ -612,8 +611,14 @@ def anchor_ratio(stats: KVStats) -> Tensor:
     return torch.where(uniform > 0, stats["attn.anchor_mass"] / uniform.clamp(min=_EPS), 0.0)
 
 
-def anchor_frames(stats: KVStats, threshold: float = 4.0) -> list[list[int]]:
-    """Per layer, the frames s < S some head attends with >= threshold x the uniform share."""
+def anchor_frames(stats: KVStats, threshold: float = 3.0) -> list[list[int]]:
+    """Per layer, the frames s < S some head attends with >= threshold x the uniform share.
+
+    The ratio (`anchor_ratio`) is pooled over every row in which the frame was cached; early
+    rows, with few frames cached, cannot exceed F x uniform, so a real sink's ratio grows
+    with the rollout. The baseline is uniform attention, not the age profile: a frame s < S
+    is only ever recent in the first frames, which the pooling outweighs.
+    """
     hot_LS = anchor_ratio(stats).amax(dim=1) >= threshold
     return [torch.nonzero(hot_S).flatten().tolist() for hot_S in hot_LS]
 
@@ -642,7 +647,7 @@ def _r(x: float) -> float:
     return round(float(x), 6)
 
 
-def report(stats: KVStats, top_k: int = 8, anchor_threshold: float = 4.0) -> dict[str, Any]:
+def report(stats: KVStats, top_k: int = 8, anchor_threshold: float = 3.0) -> dict[str, Any]:
     """A JSON-able summary a person can read: outliers, kurtosis, anchors, range drift."""
     cfg = stats.config
     out: dict[str, Any] = {"config": json.loads(cfg.to_json())}
@@ -664,27 +669,33 @@ def report(stats: KVStats, top_k: int = 8, anchor_threshold: float = 4.0) -> dic
             },
             "range_drift": {
                 "bucket_frames": [[u * cfg.bucket_size, (u + 1) * cfg.bucket_size] for u in buckets],
-                "mean_absmax_ratio": [[_r(drift_LU[layer, u]) for u in buckets] for layer in range(cfg.num_layers)],
+                "mean_absmax_ratio": [[_r(drift_LU[layer, u]) for u in buckets]
+                                      for layer in range(cfg.num_layers)],
             },
         }
     ages = torch.nonzero(stats["attn.age_pairs"].sum(0) > 0).flatten().tolist()
-    profile_A = age_profile(stats).mean(dim=(0, 1))
+    profile_A, ratio_A = age_profile(stats).mean(dim=(0, 1)), age_ratio(stats).mean(dim=(0, 1))
     out["attention"] = {
         "num_rows": stats["attn.rows"].tolist(),
         "anchor_threshold": anchor_threshold,
         "anchor_frames": anchor_frames(stats, anchor_threshold),
         "anchor_ratio": [[_r(x) for x in layer] for layer in anchor_ratio(stats).amax(dim=1)],
-        "age_profile": {"ages": ages, "mass_share": [_r(profile_A[a]) for a in ages]},
+        "age_profile": {
+            "ages": ages,
+            "mass_share": [_r(profile_A[a]) for a in ages],
+            "vs_uniform": [_r(ratio_A[a]) for a in ages],
+        },
     }
     return out
 
 
 def plot_report(stats: KVStats, path: str | os.PathLike) -> None:
     """PNG: K and V channel absmax per layer (rows) x channel (cols, head-major), log colour;
-    and the attention mass share vs frame age per layer."""
+    and, per layer, the attention a frame of each age gets relative to uniform attention."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
     # Figure + Agg canvas directly: no pyplot, so no global backend is chosen or changed
     fig = Figure(figsize=(12, 9), constrained_layout=True)
@@ -706,17 +717,21 @@ def plot_report(stats: KVStats, path: str | os.PathLike) -> None:
         ax.set_yticks(range(cfg.num_layers))
         fig.colorbar(image, ax=ax, label="absmax")
     ax = axes[2]
-    profile_LA = age_profile(stats).mean(dim=1)
+    ratio_LA = age_ratio(stats).mean(dim=1)
     ages = torch.nonzero(stats["attn.age_pairs"].sum(0) > 0).flatten()
     if ages.numel():
         for layer in range(cfg.num_layers):
-            ax.plot(ages.numpy(), profile_LA[layer, ages].numpy(), marker=".", label=f"layer {layer}")
+            ratio_A = ratio_LA[layer, ages].clamp(min=1e-6)
+            ax.plot(ages.numpy(), ratio_A.numpy(), marker=".", label=f"layer {layer}")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_yscale("log")
         ax.legend(fontsize="small", ncol=max(1, cfg.num_layers // 8))
         if int(ages.max()) > 32:
             ax.set_xscale("symlog", linthresh=8)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
     else:
         ax.text(0.5, 0.5, "no attention recorded", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(f"attention mass share by frame age (last age {cfg.max_age} holds all older)")
+    ax.set_title(f"attention on frames of each age vs uniform attention (age {cfg.max_age}: all older)")
     ax.set_xlabel("age (newest frame index - attended frame index)")
-    ax.set_ylabel("mean mass share")
-    fig.savefig(path, dpi=100)
+    ax.set_ylabel("mass / uniform share (mean over heads)")
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -36,7 +36,8 @@ def _collect(trajectories):
                 q[..., 0] = 1000 * traj + T * f + torch.arange(T)  # a unique id per query token
                 qs.update(layer, q)
                 kept = list(range(max(0, f - 2), f + 1))
-                st.update_attention(layer, torch.softmax(torch.randn(1, H, len(kept), generator=g), -1), kept, f)
+                probs = torch.softmax(torch.randn(1, H, len(kept), generator=g), -1)
+                st.update_attention(layer, probs, kept, f)
     return st, qs
 
 
@@ -48,7 +49,7 @@ def _worker(out_dir: str) -> None:
     st, qs = _collect(shard(list(range(NUM_TRAJECTORIES)), state))
     st = reduce_stats(st, state)
     qs = reduce_queries(qs, state)
-    st.save(Path(out_dir) / f"rank{state.process_index}.safetensors", model={"world": 2}, queries=qs)
+    st.save(Path(out_dir) / f"rank{state.process_index}.safetensors", model={"world": 2}, samples={"q": qs})
 
 
 def _free_port() -> int:
@@ -92,7 +93,7 @@ def test_two_gloo_processes_reduce_exactly(tmp_path):
         else:
             torch.testing.assert_close(t0, t, rtol=1e-9, atol=1e-12, msg=name)
 
-    q0, q1 = ranks[0].queries, ranks[1].queries
+    q0, q1 = ranks[0].samples['q'], ranks[1].samples['q']
     for layer in range(L):
         assert torch.equal(q0.samples(layer), q1.samples(layer))
         assert len(q0.samples(layer)) == 16 and int(q0.num_seen_L[layer]) == NUM_TRAJECTORIES * NUM_FRAMES * T

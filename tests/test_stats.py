@@ -184,13 +184,13 @@ def test_save_load_round_trip(tmp_path):
     qs = S.QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=10, seed=3)
     qs.update(0, torch.randn(2, H, 16, D))
     path = tmp_path / "stats.safetensors"
-    st.save(path, model={"name": "tiny", "num_layers": L}, queries=qs)
+    st.save(path, model={"name": "tiny", "num_layers": L}, samples={"q": qs})
     assert [p.name for p in tmp_path.iterdir()] == ["stats.safetensors"]  # no temp file left
     loaded = S.load_stats(path)
     assert loaded.stats.config == st.config and loaded.model == {"name": "tiny", "num_layers": L}
     _assert_same(loaded.stats, st, rtol=0)
     for name, t in qs.to_tensors().items():
-        assert torch.equal(loaded.queries.to_tensors()[name], t)
+        assert torch.equal(loaded.samples['q'].to_tensors()[name], t)
     assert S.KVStats.load(path).config == st.config
 
 
@@ -254,7 +254,8 @@ def test_bad_inputs_raise_value_error():
 def test_report_and_plot(tmp_path):
     st = _stats(_frames(10))
     for newest in range(5):
-        st.update_attention(0, torch.full((1, H, newest + 1), 1 / (newest + 1)), list(range(newest + 1)), newest)
+        kept = list(range(newest + 1))
+        st.update_attention(0, torch.full((1, H, newest + 1), 1 / (newest + 1)), kept, newest)
     rep = S.report(st, top_k=2)
     json.dumps(rep, allow_nan=False)
     assert len(rep["k"]["outlier_channels"]) == L and len(rep["k"]["outlier_channels"][0]) == 2

@@ -1,0 +1,167 @@
+"""Roll out schemes on held-out trajectories and measure what long rollouts show.
+
+For each batch of trajectories (equal length) the full-precision reference rollout runs once,
+through a `ShadowCache` that also feeds every scheme's quantized cache the same K/V (per-layer
+attention KL, most-attended-frame agreement, output error: teacher-forced). Then each scheme
+rolls out on its own through its `QuantizedKVCache` (the real runtime: packed codes), and the
+per-frame series are computed against the fp rollout and the ground truth. Memory is counted
+from the runtime's tensors at the end of the rollout (steady state).
+
+Each finished (scheme, batch) is written to `partial/<scheme>.<batch>.safetensors` in the run
+dir; a run restarted with the same `hydra.run.dir` picks those up instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save
+from torch import Tensor
+from tqdm import tqdm
+
+from calibrate.cache import KVCache
+from calibrate.evaluate import metrics as M
+from calibrate.io import write_bytes_atomic
+from calibrate.recipe import Recipe
+from calibrate.replay import batches, ground_truth, rollout_batch
+from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
+from calibrate.shadow import ShadowCache
+from calibrate.world.model import TinyWorld
+from calibrate.world.trajectories import Trajectory, revisit_pairs
+
+SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")
+
+
+@dataclass
+class TrajResult:
+    """Per-frame series of one scheme on one trajectory, plus scalars."""
+
+    family: str
+    seed: int
+    series: dict[str, Tensor]  # name -> [N] (flicker: [N-1])
+    revisit_q: float | None
+    revisit_fp: float | None
+    static_q: float | None
+    static_fp: float | None
+
+
+@dataclass
+class SchemeRun:
+    recipe: Recipe
+    trajs: list[TrajResult]
+    memory: dict
+    attention: dict
+    worst: tuple[float, Tensor, Tensor] | None = None  # (mean psnr_ref, ref frames, quant frames)
+    frames: dict[str, Tensor] | None = None
+
+
+def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Tensor) -> list[TrajResult]:
+    out = []
+    for b, traj in enumerate(trajs):
+        r, q, g = ref[b], quant[b], truth[b]
+        series = {
+            "psnr_ref": M.psnr(q, r),
+            "ssim_ref": M.ssim(q, r),
+            "psnr_gt": M.psnr(q, g),
+            "psnr_fp_gt": M.psnr(r, g),
+            "err": M.error_series(q, r),
+            "flicker": M.flicker_series(q, r),
+        }
+        pairs = revisit_pairs(traj) if traj.family == "revisit" else []
+        rq = M.revisit_consistency(q, pairs)[0] if pairs else None
+        rf = M.revisit_consistency(r, pairs)[0] if pairs else None
+        sq = float(M.flicker_static(q)) if traj.family == "static" else None
+        sf = float(M.flicker_static(r)) if traj.family == "static" else None
+        out.append(TrajResult(traj.family, traj.seed, series, rq, rf, sq, sf))
+    return out
+
+
+def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict) -> None:
+    tensors = {f"{i}.{k}": v.float().contiguous() for i, r in enumerate(results) for k, v in r.series.items()}
+    meta = {"memory": json.dumps(memory), "attention": json.dumps(attention),
+            "trajs": json.dumps([[r.family, r.seed, r.revisit_q, r.revisit_fp, r.static_q, r.static_fp] for r in results])}
+    write_bytes_atomic(path, save(tensors, metadata=meta))
+
+
+def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    results = []
+    for i, (family, seed, rq, rf, sq, sf) in enumerate(json.loads(meta["trajs"])):
+        series = {k: tensors[f"{i}.{k}"].double() for k in SERIES}
+        results.append(TrajResult(family, seed, series, rq, rf, sq, sf))
+    return results, json.loads(meta["memory"]), json.loads(meta["attention"])
+
+
+def evaluate(model: TinyWorld, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
+             device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
+             keep_frames: bool = False) -> dict[str, SchemeRun]:
+    """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`)."""
+    runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
+    groups = batches(trajs, batch_size)
+    layers = model.cfg.num_layers
+    attn_sums = {name: None for name in recipes}
+    bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
+    for bi, group in enumerate(groups):
+        todo = [n for n in recipes if not (partial_dir and (partial_dir / f"{n}.{bi}.safetensors").exists())]
+        truth = ground_truth(group, device)
+        shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
+        fp_cache = ShadowCache(layers, window, sink_frames, shadows)
+        ref, _ = rollout_batch(model, group, fp_cache, device, truth=truth)
+        for name in recipes:
+            path = partial_dir / f"{name}.{bi}.safetensors" if partial_dir else None
+            if name not in todo:
+                results, memory, attn = _load_partial(path)
+            else:
+                cache = QuantizedKVCache.from_recipe(recipes[name], window, sink_frames, device)
+                quant, _ = rollout_batch(model, group, cache, device, truth=truth)
+                results = _traj_results(group, ref, quant, truth)
+                n = group[0].num_frames
+                memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
+                          "fp16_bytes": fp16_cache_bytes(recipes[name], n, window, sink_frames, len(group))}
+                attn = fp_cache.errors[name].sums if attention else {}
+                if path is not None:
+                    _save_partial(path, results, memory, attn)
+                _track_worst(runs[name], results, ref, quant)
+                if keep_frames:
+                    runs[name].frames = _append_frames(runs[name].frames, ref, quant, truth)
+            runs[name].trajs.extend(results)
+            runs[name].memory = _add(runs[name].memory, memory)
+            attn_sums[name] = _add(attn_sums[name] or {}, attn)
+            bar.update(1)
+    bar.close()
+    for name, run in runs.items():
+        run.attention = attn_sums[name] or {}
+    return runs
+
+
+def _track_worst(run: SchemeRun, results: list[TrajResult], ref: Tensor, quant: Tensor) -> None:
+    for b, r in enumerate(results):
+        score = float(r.series["psnr_ref"].mean())
+        if run.worst is None or score < run.worst[0]:
+            run.worst = (score, ref[b].cpu(), quant[b].cpu())
+
+
+def _append_frames(frames, ref, quant, truth):
+    new = {"reference": ref.cpu(), "quantized": quant.cpu(), "ground_truth": truth.cpu()}
+    if frames is None:
+        return new
+    return {k: torch.cat([frames[k], new[k]]) if frames[k].shape[1:] == new[k].shape[1:] else frames[k] for k in frames}
+
+
+def _add(a: dict, b: dict) -> dict:
+    """Elementwise sum of dicts of numbers or lists of numbers (memory and attention sums)."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, list):
+            out[k] = [x + y for x, y in zip(out[k], v)]
+        else:
+            out[k] = out[k] + v
+    return out

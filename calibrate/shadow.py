@@ -1,0 +1,100 @@
+"""Teacher-forced attention error: quantized caches that shadow a full-precision rollout.
+
+`ShadowCache` is the full-precision cache (the rollout it drives is the fp reference) that
+also hands every frame's K/V to one or more quantized caches. For each layer and frame it
+compares the attention of the same queries over the fp history and over each quantized
+history, and accumulates:
+
+- `kl`: KL(p_fp || p_quant) of attention rows (mean over rows),
+- `top`: share of rows whose most-attended frame is unchanged,
+- `err2` / `ref2`: squared norms of the attention-output error e_t = o_quant - o_fp and of
+  o_fp, so that relative error = sqrt(err2 / ref2),
+- `dt2`: squared norm of the frame-to-frame change e_t - e_{t-1} (the temporal term of the
+  fitting objective: an error that jumps between frames is seen as flicker).
+
+The quantized caches never influence the rollout, so every scheme is measured on exactly the
+same K/V: this is the "history quantized, teacher-forced from the fp K/V" objective that the
+fitters minimize and the evaluation reports per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from calibrate.cache import KVCache, Rope
+
+SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
+
+
+@dataclass
+class AttentionError:
+    """Per-layer sums (see module docstring); merge by addition."""
+
+    num_layers: int
+    sums: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in SUMS:
+            self.sums.setdefault(name, [0.0] * self.num_layers)
+
+    def add(self, layer: int, **values: float) -> None:
+        for name, v in values.items():
+            self.sums[name][layer] += v
+
+    def kl(self) -> list[float]:
+        return [k / max(r, 1) for k, r in zip(self.sums["kl"], self.sums["rows"])]
+
+    def top_agreement(self) -> list[float]:
+        return [t / max(r, 1) for t, r in zip(self.sums["top"], self.sums["rows"])]
+
+    def rel_err(self) -> list[float]:
+        return [math.sqrt(e / max(r, 1e-30)) for e, r in zip(self.sums["err2"], self.sums["ref2"])]
+
+    def temporal(self) -> list[float]:
+        """sqrt(mean ||e_t - e_{t-1}||^2 / mean ||o_t||^2): the relative frame-to-frame error change."""
+        return [math.sqrt((d / max(n, 1)) / max(r / max(rows, 1), 1e-30))
+                for d, n, r, rows in zip(self.sums["dt2"], self.sums["dt_rows"], self.sums["ref2"], self.sums["rows"])]
+
+    def objective(self, lambda_temporal: float) -> float:
+        """Mean over layers of relative output error + lambda * relative temporal change."""
+        rel, tmp = self.rel_err(), self.temporal()
+        return sum(a + lambda_temporal * b for a, b in zip(rel, tmp)) / self.num_layers
+
+
+class ShadowCache(KVCache):
+    def __init__(self, num_layers: int, window: int, sink_frames: int, shadows: dict[str, KVCache]):
+        super().__init__(num_layers, window, sink_frames)
+        self.shadows = shadows
+        self.errors = {name: AttentionError(num_layers) for name in shadows}
+        self._prev_err: dict[tuple[str, int], Tensor] = {}
+
+    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        out = super().attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
+        k_all, _ = self.read(layer)
+        scale = 1.0 / math.sqrt(q_BHTD.shape[-1])
+        logp_ref = (torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) * scale).log_softmax(-1)
+        T = q_BHTD.shape[2]
+        top_ref = logp_ref.exp().unflatten(-1, (-1, T)).sum(-1).argmax(-1)
+        rows = q_BHTD.shape[0] * q_BHTD.shape[1] * T
+        k_new = key_rope.apply(k_BHTD)
+        for name, cache in self.shadows.items():
+            cache.append(layer, k_BHTD, v_BHTD, key_rope)
+            kq, vq = cache.gather(layer, k_new, v_BHTD)  # type: ignore[attr-defined]
+            logp_q = (torch.einsum("bhtd,bhnd->bhtn", q_BHTD, kq) * scale).log_softmax(-1)
+            p_q = logp_q.exp()
+            o_q = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
+            err = o_q - out
+            top_q = p_q.unflatten(-1, (-1, T)).sum(-1).argmax(-1)
+            kl = (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).clamp_min(0).sum().item()
+            values = dict(rows=rows, kl=kl, top=(top_q == top_ref).sum().item(),
+                          err2=err.pow(2).sum().item(), ref2=out.pow(2).sum().item())
+            prev = self._prev_err.get((name, layer))
+            if prev is not None:
+                values.update(dt2=(err - prev).pow(2).sum().item(), dt_rows=rows)
+            self._prev_err[(name, layer)] = err
+            self.errors[name].add(layer, **values)
+        return out

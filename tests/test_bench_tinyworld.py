@@ -1,0 +1,65 @@
+"""The TinyWorld benchmark script end to end on a tiny random model (numbers are meaningless)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from calibrate.benchmarks.tinyworld import main
+from calibrate.world.model import TinyWorld, TinyWorldConfig, model_fingerprint
+from calibrate.world.weights import save_weights
+
+TINY = TinyWorldConfig(dim=64, num_layers=1, num_heads=1, rope_xy_pairs=4, rope_bearing_pairs=8)
+BARS = ("one_step", "rollout_1_16", "rollout_17_64", "memory_teacher_forced", "memory_rollout", "speed", "determinism")
+SMALL = ["--num-trajectories", "1", "--num-frames", "20", "--memory-trajectories", "1", "--speed-frames", "4"]
+
+
+@pytest.fixture
+def weights(tmp_path):
+    torch.manual_seed(0)
+    model = TinyWorld(TINY).eval()
+    torch.nn.init.normal_(model.patch_out.weight, std=0.02)  # the output head starts at zero
+    path = tmp_path / "tiny.safetensors"
+    save_weights(model, path)
+    return path, model_fingerprint(model)
+
+
+def test_writes_every_bar(tmp_path, weights, capsys):
+    path, fingerprint = weights
+    out = tmp_path / "bench"
+    argv = ["--weights", str(path), "--out", str(out), *SMALL]
+    assert main(argv) == 0
+
+    report = json.loads((out / "tinyworld.json").read_text())
+    assert set(report["bars"]) == set(BARS)
+    for bar in report["bars"].values():
+        assert isinstance(bar["value"], float) and math.isfinite(bar["value"])
+        assert isinstance(bar["threshold"], float)
+        assert isinstance(bar["pass"], bool)
+    assert report["pass"] == all(b["pass"] for b in report["bars"].values())
+    assert report["weights"]["fingerprint"] == fingerprint
+    assert report["determinism"]["identical"] is True
+    assert set(report["one_step"]) == set(report["rollout"]) == {
+        "orbit", "dolly", "pan", "revisit", "random_walk", "stress", "static"
+    }
+    assert {"1-16", "17-64"} <= set(report["rollout"]["orbit"]["windows"])
+
+    command = "python -m calibrate.benchmarks.tinyworld " + " ".join(argv)
+    assert report["command"] == command
+    markdown = (out / "tinyworld.md").read_text()
+    assert command in markdown and fingerprint in markdown
+    assert "| one_step |" in capsys.readouterr().out
+
+
+def test_missing_weights_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["--weights", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.safetensors" in err
+    assert not (tmp_path / "tinyworld.json").exists()
+
+
+def test_too_few_frames_is_exit_2(tmp_path, weights, capsys):
+    argv = ["--weights", str(weights[0]), "--out", str(tmp_path), *SMALL, "--num-frames", "10"]
+    assert main(argv) == 2
+    assert "--num-frames" in capsys.readouterr().err
