@@ -56,12 +56,13 @@ class FitConfig:
     lambda_temporal: float = 1.0  # weight of the frame-to-frame change of the attention-output error
     closed_loop_frames: int = 96  # horizon of the closed-loop rollouts that select among candidates
     closed_loop_trajectories: int = 3
-    clip_grid: list[float] = field(default_factory=lambda: [1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6])
+    clip_grid: list[float] = field(default_factory=lambda: [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     rotations: list[str] = field(default_factory=lambda: ["none", "hadamard", "learned"])
     outlier_channels: int = 2  # per head, kept in float16 (0 = off)
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
+    trace_frames: int = 64  # whole frames of the first calibration batch replayed by the objective
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off)
 
 
@@ -141,6 +142,7 @@ def validate(cfg: Config) -> None:
     _positive("fit.lambda_temporal", f.lambda_temporal, allow_zero=True)
     _positive("fit.closed_loop_frames", f.closed_loop_frames)
     _positive("fit.sample_tokens", f.sample_tokens)
+    _positive("fit.trace_frames", f.trace_frames)
     _positive("fit.outlier_channels", f.outlier_channels, allow_zero=True)
     _positive("fit.comp_rank", f.comp_rank, allow_zero=True)
     if not f.clip_grid or any(not 0 < c <= 1 for c in f.clip_grid):

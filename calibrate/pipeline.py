@@ -18,13 +18,18 @@ import torch
 from safetensors.torch import save
 
 from calibrate import distributed
-from calibrate.config import Config, resolve_split
+from calibrate.cache import kept_frames
+from calibrate.config import Config, TrajectoriesConfig, resolve_split
 from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.strips import write_strip
 from calibrate.io import write_bytes_atomic, write_text_atomic
-from calibrate.recipe import Recipe, load_recipe
+from calibrate.fit.fitters import bits_per_element
+from calibrate.fit.objective import LayerTrace
+from calibrate.fit.search import fit_recipe
+from calibrate.recipe import Recipe, load_recipe, save_recipe
+from calibrate.runtime import predicted_cache_bytes
 from calibrate.schemes import BASELINES, KVSample, build_baseline
 from calibrate.replay import Recorder, batches, model_info, record
 from calibrate.stats import load_stats, plot_report, report
@@ -212,3 +217,106 @@ def run_compare(cfg: Config, out_dir: Path) -> dict:
     recipes = resolve_schemes(cfg, list(cfg.schemes), model, device)
     evaluate_and_report(cfg, out_dir, recipes, model, device, _command(cfg))
     return {"report": str(out_dir / "report.json")}
+
+
+# ---- task=calibrate (the default): replay -> stats -> fit -> recipe -> evaluate -> report --------
+def layer_traces(recorder: Recorder, window: int, sink_frames: int) -> list[LayerTrace]:
+    if not recorder.traces:
+        raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
+    trace = recorder.traces[0]
+    return [LayerTrace(*trace.stacked(layer), window=window, sink_frames=sink_frames) for layer in range(len(trace.q))]
+
+
+def closed_loop(cfg: Config, model: TinyWorld, candidates: dict[str, Recipe], device: torch.device) -> dict[str, dict]:
+    """Real quantized rollouts of each candidate on calibration trajectories: psnr_ref and flicker."""
+    t = cfg.trajectories
+    trajs = make_trajectories(t.families, "calibration", max(cfg.fit.closed_loop_trajectories, 1),
+                              cfg.fit.closed_loop_frames, t.seed + t.num_trajectories)
+    runs = evaluate(model, candidates, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
+                    t.batch_size, attention=False)
+    out = {}
+    for name, run in runs.items():
+        out[name] = {
+            "psnr_ref": sum(float(r.series["psnr_ref"].mean()) for r in run.trajs) / len(run.trajs),
+            "flicker": sum(float(r.series["flicker"].mean()) for r in run.trajs) / len(run.trajs),
+        }
+    return out
+
+
+def fit(cfg: Config, model: TinyWorld, device: torch.device) -> tuple[Recipe, dict]:
+    """Replay the calibration set, fit, select by closed loop: (recipe, metadata sections)."""
+    window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
+    info = model_info(model)
+    trajs = trajectory_set(cfg)
+    recorder = collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
+    traces = layer_traces(recorder, window, sink)
+    sample = kv_sample(recorder)
+    recipe, record = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window, sink)
+    candidates = {"fitted": recipe}
+    if record["upgrades"]:
+        base_cfg = replace(cfg.fit, mixed_precision=False)
+        candidates["no_mixed_precision"], _ = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND,
+                                                         base_cfg, window, sink)
+    scores = closed_loop(cfg, model, candidates, device)
+    chosen = max(scores, key=lambda n: (round(scores[n]["psnr_ref"], 3), -scores[n]["flicker"]))
+    record["closed_loop"] = {"scores": scores, "chosen": chosen,
+                             "why": "highest mean PSNR vs the fp rollout over real quantized rollouts (ties: lower flicker)"}
+    recipe = candidates[chosen]
+    recipe.metadata.update(
+        calibration=json.dumps({"config": asdict(cfg), "config_hash": config_hash(cfg),
+                                "trajectories": [[t.family, t.seed, t.num_frames] for t in trajs]}, sort_keys=True),
+        fit=json.dumps(record, sort_keys=True),
+        memory=json.dumps(memory_section(recipe, window, sink), sort_keys=True),
+    )
+    return recipe, record
+
+
+def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:
+    n = window + sink_frames + 32
+    per_frame = predicted_cache_bytes(recipe, n, window, sink_frames) / len(kept_frames(n, window, sink_frames))
+    return {"bits_per_element": bits_per_element(recipe, window, sink_frames), "bytes_per_frame_steady": per_frame,
+            "window": window, "sink_frames": sink_frames, "static_bytes": sum(t.numel() * t.element_size() for t in recipe.tensors.values())}
+
+
+def summary_metrics(rep: dict) -> dict:
+    """The few numbers a recipe records about itself (and that task=check compares against)."""
+    out = {}
+    for name, s in rep["schemes"].items():
+        m = s["metrics"]
+        out = {"psnr_ref_all": m["psnr_ref"]["all"]["mean"], "psnr_ref_first16": m["psnr_ref"]["first16"]["mean"],
+               "psnr_ref_windows": {w: v["mean"] for w, v in m["psnr_ref"]["windows"].items()},
+               "flicker": m["flicker"]["all"]["mean"], "psnr_gt_all": m["psnr_gt"]["all"]["mean"],
+               "bits_per_element": s["memory"]["bits_per_element"]}
+    return out
+
+
+def run_calibrate(cfg: Config, out_dir: Path) -> dict:
+    device = resolve_device(cfg.device)
+    model = load_world(cfg, device)
+    if cfg.quant.preset != "ours":
+        recipe = resolve_schemes(cfg, [cfg.quant.preset], model, device)[cfg.quant.preset]
+    else:
+        recipe, _ = fit(cfg, model, device)
+    recipe.path = None
+    eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
+    rep = evaluate_and_report(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device, _command(cfg))
+    metrics = {"evaluation": summary_metrics(rep)}
+    check_cfg = check_trajectories(cfg)
+    check_rep = report_mod.build(
+        evaluate(model, {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
+                 cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False),
+        [], {}, cfg.eval.psnr_threshold_db)
+    metrics["check"] = summary_metrics(check_rep)
+    recipe.metadata["metrics"] = json.dumps(metrics, sort_keys=True)
+    path = out_dir / "recipe.safetensors"
+    save_recipe(recipe, path)
+    print(f"recipe: {path}  ({metrics['evaluation']['bits_per_element']:.3f} bits/element, "
+          f"held-out psnr_ref {metrics['evaluation']['psnr_ref_all']:.2f} dB)")
+    return {"recipe": str(path), "metrics": metrics}
+
+
+def check_trajectories(cfg: Config) -> Config:
+    """The CI gate's trajectory set (conf/trajectories/check.yaml): 4 families x 128 frames, evaluation seeds."""
+    return replace(cfg, trajectories=TrajectoriesConfig(name="check", split="evaluation",
+                                                        families=["orbit", "revisit", "stress", "static"],
+                                                        num_trajectories=4, num_frames=128, seed=100))

@@ -1,0 +1,164 @@
+"""Fitters: choose each layer's quantization of K and V on the teacher-forced objective.
+
+For every layer and tensor (K, V) the fitter searches, at 2 bits:
+
+- rotation: none, randomized Hadamard, or a learned orthogonal rotation in closed form (the
+  eigenvectors of the channel Gram matrix from the statistics: PCA/KLT, which decorrelates
+  channels so per-channel ranges fit the data's principal axes);
+- granularity: static per channel (ranges from calibration, no per-frame parameters: zero
+  overhead) or dynamic per token (group = head_dim, float16 scale and zero point per token);
+- clipping ratio per head from `fit.clip_grid` (1.0 = min/max is always a candidate, so the
+  fitted clip is never worse than min/max on the objective).
+
+Then a greedy allocator spends the rest of `fit.budget_bits` (average bits per cached element,
+every per-frame overhead counted from the recipe's byte prediction) on the upgrades with the
+best objective gain per byte: +1/+2 bits for one (layer, head, tensor), or outlier channels
+(the channels with the largest range after rotation, kept in float16) for one (layer, tensor).
+Every choice is recorded with its reason and scores in the recipe's `fit` metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from calibrate.codec import HeadParams, fake_quant
+from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
+from calibrate.quant import rotation as rot
+from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
+from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
+
+
+@dataclass
+class Choice:
+    """The fitted quantization of one tensor (K or V) of one layer."""
+
+    spec: TensorSpec
+    tensors: dict[str, Tensor]  # role -> [H, ...]
+    score: float  # objective (sum over heads) at this choice
+    reasons: dict = field(default_factory=dict)
+
+
+def rotations(kind: str, layer: int, gram_HDD: Tensor, names: list[str]) -> dict[str, Tensor | None]:
+    H, D, _ = gram_HDD.shape
+    out: dict[str, Tensor | None] = {}
+    for name in names:
+        if name == "none":
+            out[name] = None
+        elif name == "hadamard":
+            out[name] = torch.stack([rot.random_hadamard(D, seed=7919 * layer + 31 * h + (kind == "v")) for h in range(H)])
+        elif name == "learned":
+            # PCA: columns = eigenvectors of the (uncentered) channel second-moment matrix, largest first
+            evals, evecs = torch.linalg.eigh(gram_HDD.double())
+            out[name] = evecs.flip(-1).float().contiguous()
+    return out
+
+
+def _params(spec: TensorSpec, tensors: dict[str, Tensor], h: int, bits: int) -> HeadParams:
+    t = lambda role: tensors[role][h] if role in tensors else None
+    clip = t("clip")
+    return HeadParams(bits=bits, rotation_DD=t("rotation"), scale_D=t("scale"), zero_D=t("zero_point"),
+                      clip=spec.clip if clip is None else float(clip), outlier_channels_n=t("outlier_channels"))
+
+
+def fake_quant_heads(x_BHFTD: Tensor, spec: TensorSpec, tensors: dict[str, Tensor], bits: list[int]) -> Tensor:
+    B, H, F, T, D = x_BHFTD.shape
+    out = []
+    for h in range(H):
+        y = x_BHFTD[:, h].reshape(B * F, T, D)
+        out.append(fake_quant(y, spec, _params(spec, tensors, h, bits[h]))[0].reshape(B, F, T, D))
+    return torch.stack(out, dim=1)
+
+
+def static_ranges(x_HND: Tensor, rotation_HDD: Tensor | None, clip_H: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Per-channel asymmetric (scale, zero_point) [H, D] from calibration samples, clipped per head."""
+    y = x_HND if rotation_HDD is None else x_HND @ rotation_HDD
+    lo, hi = y.amin(1), y.amax(1)
+    shrink = (1 - clip_H.unsqueeze(1)) * (hi - lo) / 2
+    lo, hi = lo + shrink, hi - shrink
+    return ((hi - lo) / (2**bits - 1)).clamp_min(1e-6), lo
+
+
+def outlier_channels(x_HND: Tensor, rotation_HDD: Tensor | None, n: int) -> Tensor:
+    """The n channels per head with the largest absmax relative to the head's median (after rotation)."""
+    y = x_HND if rotation_HDD is None else x_HND @ rotation_HDD
+    absmax = y.abs().amax(1)
+    ratio = absmax / absmax.median(dim=1, keepdim=True).values.clamp_min(1e-8)
+    return ratio.topk(n, dim=1).indices.sort(dim=1).values.to(torch.int64)
+
+
+def _candidate(granularity: str, rotation_name: str, rotation_HDD, clip_H: Tensor, sample_HND: Tensor, D: int,
+               bits: int = 2) -> tuple[TensorSpec, dict[str, Tensor]]:
+    tensors: dict[str, Tensor] = {}
+    if rotation_HDD is not None:
+        tensors["rotation"] = rotation_HDD
+    if granularity == "static":
+        spec = TensorSpec(bits=bits, axis="channel", static=True, rotation=rotation_name)
+        scale, zero = static_ranges(sample_HND, rotation_HDD, clip_H, bits)
+        tensors.update(scale=scale, zero_point=zero)
+    else:
+        spec = TensorSpec(bits=bits, axis="token", group_size=D, rotation=rotation_name)
+        tensors["clip"] = clip_H.clone()
+    return spec, tensors
+
+
+def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, other_hat: Tensor | None,
+               sample_HND: Tensor, gram_HDD: Tensor, rotation_names: list[str], clip_grid: list[float],
+               lambda_temporal: float) -> Choice:
+    """Best rotation x granularity x per-head clip for `kind` of `layer` at 2 bits."""
+    B, H, F, T, D = trace.q.shape
+    x = trace.k if kind == "k" else trace.v
+    granularities = ["static", "token"]
+    best: Choice | None = None
+    table = {}
+    for rname, R in rotations(kind, layer, gram_HDD, rotation_names).items():
+        for gran in granularities:
+            per_clip = []
+            for c in clip_grid:
+                clip_H = torch.full((H,), float(c))
+                spec, tensors = _candidate(gran, rname, R, clip_H, sample_HND, D)
+                x_hat = fake_quant_heads(x, spec, tensors, [2] * H)
+                out = attention_outputs(trace, *((x_hat, other_hat) if kind == "k" else (other_hat, x_hat)))
+                per_clip.append(head_scores(reference, out).objective(lambda_temporal))
+            scores_CH = torch.stack(per_clip)
+            idx_H = scores_CH.argmin(0)
+            clip_H = torch.tensor([clip_grid[i] for i in idx_H.tolist()])
+            score = float(scores_CH.gather(0, idx_H.unsqueeze(0)).sum())
+            table[f"{rname}/{gran}"] = round(score, 6)
+            table[f"{rname}/{gran}/minmax"] = round(float(scores_CH[clip_grid.index(1.0)].sum()), 6) if 1.0 in clip_grid else None
+            if best is None or score < best.score:
+                spec, tensors = _candidate(gran, rname, R, clip_H, sample_HND, D)
+                best = Choice(spec, tensors, score, {"rotation": rname, "granularity": gran, "clip": clip_H.tolist()})
+    assert best is not None
+    best.reasons["why"] = "lowest teacher-forced objective over the candidates (rotation/granularity: score)"
+    best.reasons["candidates"] = table
+    return best
+
+
+def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None) -> tuple[TensorSpec, dict[str, Tensor]]:
+    """The choice re-parametrized for per-head bits (static ranges are recomputed per bit width)."""
+    spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None)
+    tensors = dict(choice.tensors)
+    if spec.axis == "channel" and spec.static:
+        clip_H = torch.tensor(choice.reasons["clip"])
+        parts = [static_ranges(sample_HND[h : h + 1], None if "rotation" not in tensors else tensors["rotation"][h : h + 1],
+                               clip_H[h : h + 1], b) for h, b in enumerate(head_bits)]
+        tensors["scale"] = torch.cat([p[0] for p in parts])
+        tensors["zero_point"] = torch.cat([p[1] for p in parts])
+    if outliers is not None:
+        spec = replace(spec, outliers=outliers.shape[1])
+        tensors["outlier_channels"] = outliers
+    return spec, tensors
+
+
+def bits_per_element(recipe: Recipe, window: int, sink_frames: int) -> float:
+    """Average stored bits per cached K/V element at steady state (every per-frame byte counted)."""
+    n = window + sink_frames + 32
+    return 16.0 * predicted_cache_bytes(recipe, n, window, sink_frames) / fp16_cache_bytes(recipe, n, window, sink_frames)
+
+
+__all__ = ["Choice", "fit_tensor", "with_bits", "bits_per_element", "fake_quant_heads", "outlier_channels"]

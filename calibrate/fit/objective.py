@@ -1,0 +1,90 @@
+"""The fitting objective: attention-output error with the history quantized, plus a temporal term.
+
+Given one layer's recorded fp frames (q, k, v of every frame of a calibration rollout,
+post-rotary) and candidate dequantized keys/values k^, v^ for the same frames, replay the
+cache teacher-forced: the query of frame f attends to its own fresh K/V in full precision and
+to the kept history (sink frames + the newest `window`) in its quantized form, exactly as the
+runtime does. Per head:
+
+    e_f   = o^_f - o_f                                      (attention-output error of frame f)
+    rel   = sqrt( sum_f ||e_f||^2 / sum_f ||o_f||^2 )      (relative output error)
+    tmp   = sqrt( mean_f ||e_f - e_{f-1}||^2 / mean_f ||o_f||^2 )   (frame-to-frame change)
+    J     = rel + lambda_temporal * tmp
+
+`rel` is what per-frame benchmarks would minimize; `tmp` penalizes error that jumps between
+frames, which the eye sees as flicker (a steady error is a slightly different but stable
+image). Heads are independent within a layer (a head's output depends only on its own K/V),
+so candidates are scored per head in one batched pass.
+
+Shape legend: B trajectories, H heads, F frames, T tokens per frame, D head_dim, N = F*T.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from calibrate.world.model import block_mask
+
+
+@dataclass
+class LayerTrace:
+    """One layer's recorded fp frames: q, k (post-rotary), v as [B, H, F, T, D]."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    window: int
+    sink_frames: int
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def masks(self) -> tuple[Tensor, Tensor]:
+        """(visible [N, N], own-frame block diagonal [N, N]) for the cache's token policy."""
+        B, H, F, T, D = self.q.shape
+        visible = block_mask(F, T, self.window, self.sink_frames)
+        own = block_mask(F, T, 1, 0)
+        return visible, own
+
+
+def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Tensor | None = None) -> Tensor:
+    """Outputs [B, H, F, T, D] of every frame's queries: fp own frame, (quantized) history."""
+    B, H, F, T, D = trace.q.shape
+    flat = lambda x: x.reshape(B, H, F * T, D)
+    q, k, v = flat(trace.q), flat(trace.k), flat(trace.v)
+    visible, own = trace.masks()
+    scale = 1.0 / math.sqrt(D)
+    logits = torch.einsum("bhnd,bhmd->bhnm", q, k) * scale
+    if k_hat is not None:
+        logits = torch.where(own, logits, torch.einsum("bhnd,bhmd->bhnm", q, flat(k_hat)) * scale)
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    if v_hat is None:
+        out = probs @ v
+    else:
+        out = (probs * own) @ v + (probs * (~own)) @ flat(v_hat)
+    return out.reshape(B, H, F, T, D)
+
+
+@dataclass
+class HeadScores:
+    rel: Tensor  # [H]
+    temporal: Tensor  # [H]
+
+    def objective(self, lambda_temporal: float) -> Tensor:
+        return self.rel + lambda_temporal * self.temporal
+
+
+def head_scores(reference: Tensor, candidate: Tensor) -> HeadScores:
+    """Per-head relative error and temporal change of `candidate` vs `reference` ([B,H,F,T,D])."""
+    err = (candidate - reference).double()
+    ref2 = reference.double().pow(2).sum(dim=(0, 2, 3, 4))
+    F = reference.shape[2]
+    rel = (err.pow(2).sum(dim=(0, 2, 3, 4)) / ref2.clamp_min(1e-30)).sqrt()
+    dt = (err[:, :, 1:] - err[:, :, :-1]).pow(2).sum(dim=(0, 2, 3, 4)) / max(F - 1, 1)
+    temporal = (dt / (ref2 / F).clamp_min(1e-30)).sqrt()
+    return HeadScores(rel.float(), temporal.float())
