@@ -60,7 +60,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print("interrupted: finished work is kept in the run directory", file=sys.stderr)
         sys.exit(130)
-    log.info("done: %s", result)
+    log.info("done: %s", ", ".join(f"{k}={v}" for k, v in result.items() if isinstance(v, (str, int, float, bool))))
 
 
 def main() -> None:

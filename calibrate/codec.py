@@ -55,14 +55,18 @@ def head_params(recipe: Recipe, layer: int, kind: str, head: int, bits: int | No
     spec: TensorSpec = getattr(recipe.scheme.layers[layer], kind)
     t = lambda role: None if recipe.tensor(layer, kind, role) is None else recipe.tensor(layer, kind, role)[head]
     clip = t("clip")
-    b = spec.bits_of(head) if bits is None else bits
+    native = spec.bits_of(head)
+    b = native if bits is None else bits
     levels = t("codebook")
     if levels is not None and b < 16:
-        levels = levels[: 2**b] if levels.numel() == 2**b else _subset_levels(levels, b)
+        levels = _levels_for_bits(levels, b)
+    scale = t("scale")
+    if scale is not None and spec.kind == "uniform" and b < 16:
+        scale = static_scale_for_bits(scale, native, b, spec.symmetric)
     return HeadParams(
         bits=b,
         rotation_DD=t("rotation"),
-        scale_D=t("scale"),
+        scale_D=scale,
         zero_D=t("zero_point"),
         clip=spec.clip if clip is None else float(clip),
         levels_L=levels,
@@ -73,10 +77,32 @@ def head_params(recipe: Recipe, layer: int, kind: str, head: int, bits: int | No
     )
 
 
-def _subset_levels(levels: Tensor, bits: int) -> Tensor:
-    # a head stored with fewer bits than the codebook row holds uses evenly spaced levels of it
-    idx = torch.linspace(0, levels.numel() - 1, 2**bits).round().long()
-    return levels[idx]
+def static_scale_for_bits(scale: Tensor, native_bits: int, bits: int, symmetric: bool) -> Tensor:
+    """A static per-channel step fitted for `native_bits`, re-cut for `bits` over the same range.
+
+    Frames stored at another precision than the spec's (sink, recent, key frames) keep the
+    calibrated range [zero, zero + scale (2^b0 - 1)] (asymmetric) or [-scale 2^(b0-1), ...]
+    (symmetric) and split it into 2^bits steps.
+    """
+    if bits == native_bits:
+        return scale
+    if symmetric:
+        return scale * 2.0 ** (native_bits - 1) / 2.0 ** (bits - 1)
+    return scale * (2**native_bits - 1) / (2**bits - 1)
+
+
+def _levels_for_bits(levels: Tensor, bits: int) -> Tensor:
+    """The codebook row for a head stored at `bits`.
+
+    A row of exactly 2^bits levels is used as is; fewer bits take evenly spaced levels of the
+    row; more bits than the row holds (e.g. an 8-bit sink frame of a 2-bit codebook) use 2^bits
+    uniform levels on [-1, 1].
+    """
+    if levels.numel() == 2**bits:
+        return levels
+    if levels.numel() > 2**bits:
+        return levels[torch.linspace(0, levels.numel() - 1, 2**bits).round().long()]
+    return torch.linspace(-1.0, 1.0, 2**bits, dtype=levels.dtype, device=levels.device)
 
 
 def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:

@@ -320,3 +320,70 @@ def check_trajectories(cfg: Config) -> Config:
     return replace(cfg, trajectories=TrajectoriesConfig(name="check", split="evaluation",
                                                         families=["orbit", "revisit", "stress", "static"],
                                                         num_trajectories=4, num_frames=128, seed=100))
+
+
+# ---- task=check: the CI gate -------------------------------------------------------------------
+def check_criteria(measured: dict, recorded: dict | None, cfg: Config) -> list[dict]:
+    """Each criterion: name, measured value, threshold, comparison, passed."""
+    c = cfg.check
+    criteria = []
+
+    def add(name, value, threshold, higher_is_better):
+        passed = value >= threshold if higher_is_better else value <= threshold
+        criteria.append({"name": name, "measured": value, "threshold": threshold,
+                         "comparison": ">=" if higher_is_better else "<=", "passed": bool(passed)})
+
+    if c.min_psnr_db is not None:
+        add("psnr_ref_all", measured["psnr_ref_all"], c.min_psnr_db, True)
+    elif recorded:
+        add("psnr_ref_all", measured["psnr_ref_all"], recorded["psnr_ref_all"] - c.tolerance_db, True)
+        for w, v in recorded.get("psnr_ref_windows", {}).items():
+            if w in measured["psnr_ref_windows"]:
+                add(f"psnr_ref[{w}]", measured["psnr_ref_windows"][w], v - c.tolerance_db, True)
+    if c.max_flicker is not None:
+        add("flicker", measured["flicker"], c.max_flicker, False)
+    elif recorded:
+        add("flicker", measured["flicker"], recorded["flicker"] * (1 + c.flicker_tolerance), False)
+    if not criteria:
+        raise ValueError("check: the recipe records no metrics to compare against; set check.min_psnr_db and check.max_flicker")
+    return criteria
+
+
+def junit_xml(criteria: list[dict], recipe_path: str) -> str:
+    from xml.sax.saxutils import quoteattr
+
+    failures = sum(not c["passed"] for c in criteria)
+    lines = ['<?xml version="1.0" encoding="utf-8"?>',
+             f'<testsuite name="calibrate.check" tests="{len(criteria)}" failures="{failures}" errors="0">']
+    for c in criteria:
+        lines.append(f'  <testcase classname={quoteattr(recipe_path)} name={quoteattr(c["name"])}>')
+        if not c["passed"]:
+            msg = f'{c["name"]} = {c["measured"]:.6g}, needs {c["comparison"]} {c["threshold"]:.6g}'
+            lines.append(f'    <failure message={quoteattr(msg)}/>')
+        lines.append("  </testcase>")
+    lines.append("</testsuite>")
+    return "\n".join(lines) + "\n"
+
+
+def run_check(cfg: Config, out_dir: Path) -> dict:
+    """Replay the check set with the recipe and compare against thresholds (exit 0 pass / 1 fail / 2 bad input)."""
+    device = resolve_device(cfg.device)
+    model = load_world(cfg, device)
+    recipe = load_recipe(cfg.recipe, model_info(model))
+    if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
+        cfg = check_trajectories(cfg)  # the default set of a check is the check set
+    runs = evaluate(model, {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window, cfg.model.cache.sink_frames,
+                    device, cfg.trajectories.batch_size, attention=False)
+    measured = summary_metrics(report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db))
+    recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
+    criteria = check_criteria(measured, recorded, cfg)
+    passed = all(c["passed"] for c in criteria)
+    result = {"recipe": cfg.recipe, "passed": passed, "criteria": criteria, "measured": measured}
+    write_json(out_dir / "check.json", result)
+    write_text_atomic(out_dir / "check.xml", junit_xml(criteria, str(cfg.recipe)))
+    print(f"| criterion | measured | threshold | result |\n|---|---|---|---|")
+    for c in criteria:
+        print(f"| {c['name']} | {c['measured']:.4f} | {c['comparison']} {c['threshold']:.4f} | {'pass' if c['passed'] else 'FAIL'} |")
+    failed = [c["name"] for c in criteria if not c["passed"]]
+    result["summary"] = "all criteria pass" if passed else f"{len(failed)} criteria regressed: {', '.join(failed)}"
+    return result

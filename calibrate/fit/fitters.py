@@ -19,14 +19,13 @@ Every choice is recorded with its reason and scores in the recipe's `fit` metada
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.codec import HeadParams, fake_quant
+from calibrate.codec import HeadParams, fake_quant, head_params
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.quant import rotation as rot
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
@@ -59,10 +58,11 @@ def rotations(kind: str, layer: int, gram_HDD: Tensor, names: list[str]) -> dict
 
 
 def _params(spec: TensorSpec, tensors: dict[str, Tensor], h: int, bits: int) -> HeadParams:
-    t = lambda role: tensors[role][h] if role in tensors else None
-    clip = t("clip")
-    return HeadParams(bits=bits, rotation_DD=t("rotation"), scale_D=t("scale"), zero_D=t("zero_point"),
-                      clip=spec.clip if clip is None else float(clip), outlier_channels_n=t("outlier_channels"))
+    """HeadParams of head h stored at `bits`, exactly as the runtime derives them from a recipe."""
+    H = next(iter(tensors.values())).shape[0] if tensors else h + 1
+    info = ModelInfo("fit", 1, H, 0, 0, "")
+    recipe = Recipe(info, Scheme("fit", [LayerSpec(k=spec, v=spec)]), {f"layers.0.k.{r}": t for r, t in tensors.items()})
+    return head_params(recipe, 0, "k", h, bits)
 
 
 def fake_quant_heads(x_BHFTD: Tensor, spec: TensorSpec, tensors: dict[str, Tensor], bits: list[int]) -> Tensor:

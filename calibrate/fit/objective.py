@@ -52,21 +52,40 @@ class LayerTrace:
         return visible, own
 
 
-def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Tensor | None = None) -> Tensor:
-    """Outputs [B, H, F, T, D] of every frame's queries: fp own frame, (quantized) history."""
+def _flat(x: Tensor | None) -> Tensor | None:
+    return None if x is None else x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+
+
+def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Tensor | None = None,
+                      recent: tuple[int, Tensor | None, Tensor | None] | None = None,
+                      sink: tuple[int, Tensor | None, Tensor | None] | None = None) -> Tensor:
+    """Outputs [B, H, F, T, D] of every frame's queries over the kept history as the runtime stores it.
+
+    Each (query frame f, key frame j) pair reads K/V in one precision class, in this priority
+    (the runtime's): j == f -> the fresh fp K/V; f - j <= r -> `recent` = (r, k_r, v_r);
+    j < s -> `sink` = (s, k_s, v_s); otherwise (k_hat, v_hat). A None tensor means fp.
+    """
     B, H, F, T, D = trace.q.shape
-    flat = lambda x: x.reshape(B, H, F * T, D)
-    q, k, v = flat(trace.q), flat(trace.k), flat(trace.v)
+    q, k, v = _flat(trace.q), _flat(trace.k), _flat(trace.v)
     visible, own = trace.masks()
+    classes = [(own, k, v)]
+    taken = own.clone()
+    if recent is not None and recent[0] > 0:
+        m = block_mask(F, T, recent[0] + 1, 0) & ~taken
+        classes.append((m, _flat(recent[1]), _flat(recent[2])))
+        taken |= m
+    if sink is not None and sink[0] > 0:
+        j = torch.arange(F).repeat_interleave(T)
+        m = (j < sink[0]).unsqueeze(0).expand(F * T, -1) & ~taken
+        classes.append((m, _flat(sink[1]), _flat(sink[2])))
+        taken |= m
+    classes.append((~taken, _flat(k_hat), _flat(v_hat)))
     scale = 1.0 / math.sqrt(D)
-    logits = torch.einsum("bhnd,bhmd->bhnm", q, k) * scale
-    if k_hat is not None:
-        logits = torch.where(own, logits, torch.einsum("bhnd,bhmd->bhnm", q, flat(k_hat)) * scale)
+    logits = torch.zeros(B, H, F * T, F * T, dtype=q.dtype)
+    for mask, kc, _ in classes:
+        logits = torch.where(mask, torch.einsum("bhnd,bhmd->bhnm", q, k if kc is None else kc) * scale, logits)
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
-    if v_hat is None:
-        out = probs @ v
-    else:
-        out = (probs * own) @ v + (probs * (~own)) @ flat(v_hat)
+    out = sum((probs * mask) @ (v if vc is None else vc) for mask, _, vc in classes)
     return out.reshape(B, H, F, T, D)
 
 

@@ -5,16 +5,21 @@
    none detected -> no sink precision is spent (the decision is recorded either way).
 2. Per layer: K is fitted with V in full precision, then V with the fitted K (fitters.py).
 3. Mixed precision: a greedy allocator takes the upgrade with the largest objective gain per
-   extra byte until the next one would exceed `budget_bits`. Upgrades: one step of bits
-   (2 -> 3 -> 4 -> 8) for one (layer, tensor, head), or `outlier_channels` float16 channels
-   for one (layer, tensor). Heads are independent in the objective, so one pass per
-   (layer, tensor, step) prices the upgrade of every head at once.
+   extra bit until the next one would exceed `budget_bits`. Upgrades:
+   - one step of bits (2 -> 3 -> 4 -> 8) for one (layer, tensor, head);
+   - `outlier_channels` float16 channels for one (layer, tensor);
+   - one more *recent* frame at 4 or 8 bits, or recent frames from 4 to 8 bits (the token
+     policy: attention mass concentrates on the newest frames, so their precision is
+     worth more than that of old ones; priced over all layers at once).
+   Heads are independent in the objective, so one pass per (layer, tensor, step) prices the
+   upgrade of every head at once. The objective always models the token policy exactly as
+   the runtime applies it (objective.attention_outputs).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -28,6 +33,7 @@ from calibrate.stats import KVStats, anchor_frames
 log = logging.getLogger(__name__)
 
 NEXT_BITS = {2: 3, 3: 4, 4: 8}
+MAX_RECENT_FRAMES = 4
 
 
 class BudgetError(ValueError):
@@ -40,22 +46,38 @@ class TensorState:
     sample_HND: torch.Tensor
     head_bits: list[int]
     outliers: torch.Tensor | None = None
-    scores_H: list[float] = field(default_factory=list)
 
     def spec_tensors(self):
         return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers)
 
+    def hat(self, x: torch.Tensor, bits: int | None = None, head_bits=None, outliers="same") -> torch.Tensor | None:
+        """Fake-quantized x at the head bits (or all heads at `bits`; 16 -> None = fp)."""
+        if bits is not None and bits >= 16:
+            return None
+        st = TensorState(self.choice, self.sample_HND, head_bits or self.head_bits,
+                         self.outliers if isinstance(outliers, str) else outliers)
+        spec, tensors = st.spec_tensors()
+        return fake_quant_heads(x, spec, tensors, [bits] * len(st.head_bits) if bits else st.head_bits)
 
-def _hat(trace: LayerTrace, kind: str, state: TensorState, head_bits=None, outliers="same"):
-    x = trace.k if kind == "k" else trace.v
-    st = TensorState(state.choice, state.sample_HND, head_bits or state.head_bits,
-                     state.outliers if outliers == "same" else outliers)
-    spec, tensors = st.spec_tensors()
-    return fake_quant_heads(x, spec, tensors, st.head_bits)
 
-
-def _scores(trace, reference, k_hat, v_hat, lam) -> list[float]:
-    return head_scores(reference, attention_outputs(trace, k_hat, v_hat)).objective(lam).tolist()
+def layer_scores(trace: LayerTrace, reference, st: dict, policy: TokenPolicy, lam: float, override=None) -> list[float]:
+    """Per-head objective of one layer; `override` = (kind, head_bits, outliers) to price an upgrade."""
+    hats = {}
+    for kind in ("k", "v"):
+        x = trace.k if kind == "k" else trace.v
+        s = st[kind]
+        hb, oc = (override[1], override[2]) if override and override[0] == kind else (None, "same")
+        hats[kind] = (
+            s.hat(x, head_bits=hb, outliers=oc),
+            s.hat(x, bits=policy.recent_bits, outliers=oc) if policy.recent_frames else None,
+            s.hat(x, bits=policy.sink_bits, outliers=oc) if policy.sink_frames else None,
+        )
+    out = attention_outputs(
+        trace, hats["k"][0], hats["v"][0],
+        recent=(policy.recent_frames, hats["k"][1], hats["v"][1]) if policy.recent_frames else None,
+        sink=(policy.sink_frames, hats["k"][2], hats["v"][2]) if policy.sink_frames else None,
+    )
+    return head_scores(reference, out).objective(lam).tolist()
 
 
 def detect_anchors(stats: KVStats | None, enabled: bool) -> tuple[TokenPolicy, dict]:
@@ -82,109 +104,126 @@ def assemble(info: ModelInfo, states: list[dict[str, TensorState]], policy: Toke
     return Recipe(info, scheme, tensors)
 
 
-def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None, k_samples: torch.Tensor,
-               v_samples: torch.Tensor, cfg: FitConfig, window: int, sink_frames: int) -> tuple[Recipe, dict]:
-    """Fit the recipe; returns it and the fit record (choices, reasons, scores) for its metadata."""
-    policy, anchor_note = detect_anchors(stats, cfg.anchors)
-    lam = cfg.lambda_temporal
-    H = info.num_kv_heads
-    rotation_names = list(cfg.rotations)
-    states: list[dict[str, TensorState]] = []
-    refs = []
-    record: dict = {"anchors": anchor_note, "layers": [], "lambda_temporal": lam, "budget_bits": cfg.budget_bits}
-    for layer, trace in enumerate(tqdm(traces, desc="fit layers")):
-        reference = attention_outputs(trace)
-        refs.append(reference)
-        k_choice = fit_tensor("k", layer, trace, reference, None, k_samples[layer], _gram(stats, "k", layer, k_samples[layer]),
-                              rotation_names, list(cfg.clip_grid), lam)
-        k_state = TensorState(k_choice, k_samples[layer], [2] * H)
-        k_hat = _hat(trace, "k", k_state)
-        v_choice = fit_tensor("v", layer, trace, reference, k_hat, v_samples[layer], _gram(stats, "v", layer, v_samples[layer]),
-                              rotation_names, list(cfg.clip_grid), lam)
-        v_state = TensorState(v_choice, v_samples[layer], [2] * H)
-        states.append({"k": k_state, "v": v_state})
-        record["layers"].append({"k": k_choice.reasons, "v": v_choice.reasons})
-    base = assemble(info, states, policy)
-    base_bits = bits_per_element(base, window, sink_frames)
-    if base_bits > cfg.budget_bits + 1e-9:
-        raise BudgetError(f"fit.budget_bits={cfg.budget_bits} is below what 2-bit codes with their parameters need "
-                          f"({base_bits:.3f} bits/element for this model and token policy)")
-    record["base_bits"] = base_bits
-    record["upgrades"] = _allocate(info, traces, refs, states, policy, cfg, window, sink_frames) if cfg.mixed_precision else []
-    recipe = assemble(info, states, policy)
-    record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
-    return recipe, record
-
-
 def _gram(stats, kind, layer, sample_HND):
     if stats is not None:
         return stats.tensors[f"{kind}.gram"][layer].float()
     return sample_HND.transpose(1, 2) @ sample_HND
 
 
-def _layer_options(layer, trace, reference, st, cfg: FitConfig, H: int) -> list[tuple]:
-    """Upgrades of one layer: (layer, kind, description, objective gain, head_bits, outliers)."""
+def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None, k_samples: torch.Tensor,
+               v_samples: torch.Tensor, cfg: FitConfig, window: int, sink_frames: int) -> tuple[Recipe, dict]:
+    """Fit the recipe; returns it and the fit record (choices, reasons, scores) for its metadata."""
+    policy, anchor_note = detect_anchors(stats, cfg.anchors)
+    lam = cfg.lambda_temporal
+    H = info.num_kv_heads
+    states: list[dict[str, TensorState]] = []
+    refs = []
+    record: dict = {"anchors": anchor_note, "layers": [], "lambda_temporal": lam, "budget_bits": cfg.budget_bits}
+    for layer, trace in enumerate(tqdm(traces, desc="fit layers")):
+        reference = attention_outputs(trace)
+        refs.append(reference)
+        k_choice = fit_tensor("k", layer, trace, reference, None, k_samples[layer],
+                              _gram(stats, "k", layer, k_samples[layer]), list(cfg.rotations), list(cfg.clip_grid), lam)
+        k_state = TensorState(k_choice, k_samples[layer], [2] * H)
+        v_choice = fit_tensor("v", layer, trace, reference, k_state.hat(trace.k), v_samples[layer],
+                              _gram(stats, "v", layer, v_samples[layer]), list(cfg.rotations), list(cfg.clip_grid), lam)
+        states.append({"k": k_state, "v": TensorState(v_choice, v_samples[layer], [2] * H)})
+        record["layers"].append({"k": k_choice.reasons, "v": v_choice.reasons})
+    base_bits = bits_per_element(assemble(info, states, policy), window, sink_frames)
+    if base_bits > cfg.budget_bits + 1e-9:
+        raise BudgetError(f"fit.budget_bits={cfg.budget_bits} is below what 2-bit codes with their parameters need "
+                          f"({base_bits:.3f} bits/element for this model and token policy)")
+    record["base_bits"] = base_bits
+    upgrades = []
+    if cfg.mixed_precision:
+        policy, upgrades = _allocate(info, traces, refs, states, policy, cfg, window, sink_frames)
+    record["upgrades"] = upgrades
+    record["policy"] = {"recent_frames": policy.recent_frames, "recent_bits": policy.recent_bits,
+                        "sink_frames": policy.sink_frames, "sink_bits": policy.sink_bits}
+    recipe = assemble(info, states, policy)
+    record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
+    return recipe, record
+
+
+def _layer_options(layer, trace, reference, st, policy, cfg: FitConfig, scores: list[float]) -> list[tuple]:
+    """Upgrades of one layer: (description, gain, apply) with apply(states, policy) -> policy."""
     lam = cfg.lambda_temporal
     options = []
     for kind in ("k", "v"):
         s = st[kind]
-        other_hat = _hat(trace, "v" if kind == "k" else "k", st["v" if kind == "k" else "k"])
-        pair = lambda x_hat: (x_hat, other_hat) if kind == "k" else (other_hat, x_hat)
-        # one step more for every head at once (heads are independent in the objective)
         stepped = [NEXT_BITS.get(b, b) for b in s.head_bits]
         if stepped != s.head_bits:
-            new = _scores(trace, reference, *pair(_hat(trace, kind, s, head_bits=stepped)), lam)
-            for h in range(H):
+            new = layer_scores(trace, reference, st, policy, lam, (kind, stepped, s.outliers))
+            for h in range(len(stepped)):
                 if stepped[h] != s.head_bits[h]:
                     bits = list(s.head_bits)
                     bits[h] = stepped[h]
-                    options.append((layer, kind, {"head": h, "bits": stepped[h]}, s.scores_H[h] - new[h], bits, s.outliers))
+                    options.append(({"layer": layer, "tensor": kind, "head": h, "bits": stepped[h]}, scores[h] - new[h],
+                                     _set_tensor(layer, kind, bits, s.outliers)))
         if s.outliers is None and cfg.outlier_channels > 0:
             oc = outlier_channels(s.sample_HND, s.choice.tensors.get("rotation"), cfg.outlier_channels)
-            new = _scores(trace, reference, *pair(_hat(trace, kind, s, outliers=oc)), lam)
-            options.append((layer, kind, {"outliers": oc.tolist()}, sum(s.scores_H) - sum(new), s.head_bits, oc))
+            new = layer_scores(trace, reference, st, policy, lam, (kind, s.head_bits, oc))
+            options.append(({"layer": layer, "tensor": kind, "outliers": oc.tolist()}, sum(scores) - sum(new),
+                            _set_tensor(layer, kind, s.head_bits, oc)))
     return options
 
 
-def _refresh_scores(layer, trace, reference, st, lam) -> None:
-    scores = _scores(trace, reference, _hat(trace, "k", st["k"]), _hat(trace, "v", st["v"]), lam)
-    st["k"].scores_H = scores
-    st["v"].scores_H = scores
+def _set_tensor(layer, kind, bits, oc):
+    def apply(states, policy):
+        states[layer][kind].head_bits, states[layer][kind].outliers = bits, oc
+        return policy
+    return apply
 
 
-def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_frames) -> list[dict]:
+def _policy_options(traces, refs, states, policy, cfg: FitConfig, scores) -> list[tuple]:
+    """Token-policy upgrades, priced over all layers."""
+    candidates = []
+    if policy.recent_frames < MAX_RECENT_FRAMES:
+        for bits in ((4, 8) if policy.recent_frames == 0 else (policy.recent_bits,)):
+            candidates.append(replace(policy, recent_frames=policy.recent_frames + 1, recent_bits=bits))
+    if policy.recent_frames and policy.recent_bits < 8:
+        candidates.append(replace(policy, recent_bits=8))
+    options = []
+    for cand in candidates:
+        gain = sum(sum(scores[l]) - sum(layer_scores(t, refs[l], states[l], cand, cfg.lambda_temporal))
+                   for l, t in enumerate(traces))
+        options.append(({"recent_frames": cand.recent_frames, "recent_bits": cand.recent_bits}, gain,
+                        lambda states, policy, cand=cand: cand))
+    return options
+
+
+def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_frames):
     """Greedy mixed precision: best objective gain per extra bit until the budget is spent."""
-    H = info.num_kv_heads
-    bits_now = lambda: bits_per_element(assemble(info, states, policy), window, sink_frames)
-    options = {}
-    for layer, trace in enumerate(traces):
-        _refresh_scores(layer, trace, refs[layer], states[layer], cfg.lambda_temporal)
-        options[layer] = _layer_options(layer, trace, refs[layer], states[layer], cfg, H)
+    lam = cfg.lambda_temporal
+    bits_of = lambda pol: bits_per_element(assemble(info, states, pol), window, sink_frames)
+    scores = [layer_scores(t, refs[l], states[l], policy, lam) for l, t in enumerate(traces)]
+    options = {l: _layer_options(l, t, refs[l], states[l], policy, cfg, scores[l]) for l, t in enumerate(traces)}
     upgrades = []
     bar = tqdm(desc="mixed precision", unit="upgrade")
     while True:
-        current = bits_now()
+        current = bits_of(policy)
         best = None
-        for layer, kind, what, gain, bits, oc in (o for opts in options.values() for o in opts):
+        policy_opts = _policy_options(traces, refs, states, policy, cfg, scores)
+        for what, gain, apply in [o for opts in options.values() for o in opts] + policy_opts:
             if gain <= 0:
                 continue
-            s = states[layer][kind]
-            saved = (s.head_bits, s.outliers)
-            s.head_bits, s.outliers = bits, oc
-            cost = bits_now() - current
-            s.head_bits, s.outliers = saved
+            saved = [(st["k"].head_bits, st["k"].outliers, st["v"].head_bits, st["v"].outliers) for st in states]
+            cost = bits_of(apply(states, policy)) - current
+            for st, (kb, ko, vb, vo) in zip(states, saved):
+                st["k"].head_bits, st["k"].outliers, st["v"].head_bits, st["v"].outliers = kb, ko, vb, vo
             if cost <= 0 or current + cost > cfg.budget_bits + 1e-9:
                 continue
             if best is None or gain / cost > best[0]:
-                best = (gain / cost, layer, kind, what, gain, bits, oc, cost)
+                best = (gain / cost, what, gain, apply, cost)
         if best is None:
             break
-        _, layer, kind, what, gain, bits, oc, cost = best
-        s = states[layer][kind]
-        s.head_bits, s.outliers = bits, oc
-        _refresh_scores(layer, traces[layer], refs[layer], states[layer], cfg.lambda_temporal)
-        options[layer] = _layer_options(layer, traces[layer], refs[layer], states[layer], cfg, H)
-        upgrades.append({"layer": layer, "tensor": kind, **what, "gain": round(gain, 6), "bits_cost": round(cost, 4)})
+        _, what, gain, apply, cost = best
+        policy = apply(states, policy)
+        # a tensor upgrade changes one layer's scores; a policy upgrade changes every layer's
+        for l in [what["layer"]] if "layer" in what else range(len(traces)):
+            scores[l] = layer_scores(traces[l], refs[l], states[l], policy, lam)
+            options[l] = _layer_options(l, traces[l], refs[l], states[l], policy, cfg, scores[l])
+        upgrades.append({**what, "gain": round(gain, 6), "bits_cost": round(cost, 4)})
         bar.update(1)
     bar.close()
-    return upgrades
+    return policy, upgrades

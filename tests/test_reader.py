@@ -1,0 +1,196 @@
+"""recipes/reader.py (the standalone numpy reader) agrees with calibrate's loader and codec."""
+
+import ast
+import importlib.util
+import json
+import re
+import struct
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from calibrate.codec import HeadParams, decode, encode, head_params
+from calibrate.quant import codebook
+from calibrate.recipe import ModelInfo, TensorSpec, load_recipe, save_recipe
+from calibrate.schemes import KVSample, build_baseline
+
+ROOT = Path(__file__).resolve().parents[1]
+READER_PY = ROOT / "recipes" / "reader.py"
+FORMAT_MD = ROOT / "recipes" / "FORMAT.md"
+INFO = ModelInfo(name="toy", num_layers=2, num_kv_heads=3, head_dim=16, tokens_per_frame=4, fingerprint="feedfacecafebeef")
+
+
+def _load_reader():
+    spec = importlib.util.spec_from_file_location("kv_recipe_reader", READER_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reader = _load_reader()
+
+
+def test_reader_imports_only_json_struct_numpy_safetensors():
+    tree = ast.parse(READER_PY.read_text(encoding="utf-8"))
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names <= {"json", "struct", "numpy", "safetensors"}, names
+
+
+def _sample(seed=0, n=64) -> KVSample:
+    g = torch.Generator().manual_seed(seed)
+    shape = (INFO.num_layers, INFO.num_kv_heads, n, INFO.head_dim)
+    return KVSample(torch.randn(shape, generator=g) + 0.5, torch.randn(shape, generator=g))
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kvquant2", "quarot2"])
+def test_metadata_and_tensors_equal_calibrates_load(tmp_path, name):
+    path = tmp_path / f"{name}.safetensors"
+    built = build_baseline(name, INFO, _sample())
+    built.metadata["metrics"] = json.dumps({"psnr_ref_all": 31.5})
+    save_recipe(built, path)
+    recipe = load_recipe(path, model=INFO)
+    meta, tensors = reader.read_recipe(path)
+    assert meta["format"] == "kv-recipe" and meta["format_version"] == "1.0" and meta["producer"]
+    assert meta["model"] == asdict(recipe.model)
+    assert meta["scheme"] == asdict(recipe.scheme)
+    assert meta["calibration"] == recipe.section("calibration") and meta["metrics"] == {"psnr_ref_all": 31.5}
+    assert sorted(tensors) == sorted(recipe.tensors)
+    for key, t in recipe.tensors.items():
+        assert isinstance(tensors[key], np.ndarray) and np.array_equal(tensors[key], t.numpy()), key
+
+
+def _rewrite_metadata(path, **changes):
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+
+@pytest.mark.parametrize("change,field", [({"format": "other"}, "'format'"), ({"format_version": "2.0"}, "'format_version'")])
+def test_reader_rejects_wrong_format_and_major_version(tmp_path, change, field):
+    path = tmp_path / "r.safetensors"
+    save_recipe(build_baseline("kivi2", INFO), path)
+    _rewrite_metadata(path, **change)
+    with pytest.raises(ValueError, match=re.escape(field)) as err:
+        reader.read_recipe(path)
+    assert str(path) in str(err.value)
+
+
+def test_reader_reads_newer_minor_and_rejects_garbage(tmp_path):
+    path = tmp_path / "r.safetensors"
+    save_recipe(build_baseline("kivi2", INFO), path)
+    _rewrite_metadata(path, format_version="1.9", colour="blue")
+    meta, _ = reader.read_recipe(path)
+    assert meta["format_version"] == "1.9" and meta["colour"] == "blue"
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        reader.read_recipe(path)
+
+
+# ---- dequantization: numpy reader vs calibrate.codec.decode --------------------------------------
+def _frame(seed, B=2, T=4, D=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, D, generator=g) * (0.5 + torch.rand(D, generator=g)) + torch.randn(D, generator=g)
+
+
+def _np(t):
+    return t.numpy() if t.dtype != torch.float16 else t.numpy().astype(np.float16)
+
+
+@pytest.mark.parametrize("bits,symmetric,group", [(2, False, 8), (3, True, 4), (4, False, 16), (8, True, 8)])
+def test_per_token_dynamic_decode_matches_codec(bits, symmetric, group):
+    spec = TensorSpec(bits=bits, symmetric=symmetric, axis="token", group_size=group)
+    p = HeadParams(bits=bits)
+    x = _frame(bits)
+    stored = encode(x, spec, p)
+    assert stored["p_scale"].dtype == torch.float16
+    codes = reader.unpack(_np(stored["codes"]), bits, 16)
+    zero = None if symmetric else _np(stored["p_zero"])
+    got = reader.dequantize_uniform_token(codes, _np(stored["p_scale"]), zero, bits, symmetric, group)
+    np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, True), (4, False)])
+def test_static_per_channel_decode_matches_codec(bits, symmetric):
+    spec = TensorSpec(bits=bits, symmetric=symmetric, axis="channel", static=True)
+    sample = _frame(10, B=8)
+    lo, hi = sample.amin((0, 1)), sample.amax((0, 1))
+    if symmetric:
+        scale, zero = torch.maximum(lo.abs(), hi.abs()) / 2 ** (bits - 1), torch.zeros(16)
+    else:
+        scale, zero = (hi - lo) / (2**bits - 1), lo
+    p = HeadParams(bits=bits, scale_D=scale, zero_D=zero)
+    stored = encode(_frame(11), spec, p)
+    assert set(stored) == {"codes"}  # static: nothing but codes per frame
+    codes = reader.unpack(_np(stored["codes"]), bits, 16)
+    got = reader.dequantize_static_channel(codes, scale.numpy(), zero.numpy(), bits, symmetric)
+    np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-6, rtol=0)
+
+
+def test_dynamic_per_channel_decode_matches_codec():
+    spec = TensorSpec(bits=2, axis="channel")  # KIVI keys: per channel over the frame's tokens
+    p = HeadParams(bits=2)
+    stored = encode(_frame(12), spec, p)
+    codes = reader.unpack(_np(stored["codes"]), 2, 16)
+    got = reader.dequantize_static_channel(codes, _np(stored["p_scale"]), _np(stored["p_zero"]), 2, False)
+    np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-6, rtol=0)
+
+
+def test_codebook_decode_matches_codec(tmp_path):
+    path = tmp_path / "kvquant2.safetensors"
+    save_recipe(build_baseline("kvquant2", INFO, _sample(1)), path)
+    recipe = load_recipe(path)
+    _, tensors = reader.read_recipe(path)
+    x = _frame(13) + 0.5
+    for kind in ("k", "v"):
+        spec = getattr(recipe.scheme.layers[1], kind)
+        spec_plain = TensorSpec(**{**asdict(spec), "sparse_fraction": 0.0})  # codes only, no sparse overlay
+        for h in range(INFO.num_kv_heads):
+            p = head_params(recipe, 1, kind, h)
+            stored = encode(x, spec_plain, p)
+            codes = reader.unpack(_np(stored["codes"]), 2, 16)
+            levels = tensors[f"layers.1.{kind}.codebook"][h]
+            if kind == "k":
+                got = reader.dequantize_codebook(codes, levels, tensors["layers.1.k.scale"][h], tensors["layers.1.k.zero_point"][h])
+            else:
+                got = reader.dequantize_codebook(codes, levels, _np(stored["p_scale"]), group_size=spec.group_size or 16)
+            np.testing.assert_allclose(got, decode(stored, spec_plain, p, 16).numpy(), atol=1e-6, rtol=0)
+
+
+# ---- unpacking: FORMAT.md's golden vectors --------------------------------------------------------
+def golden_vectors():
+    section = FORMAT_MD.read_text(encoding="utf-8").split("### Golden vectors", 1)[1]
+    rows = []
+    for m in re.finditer(r"^\|\s*(\d+)\s*\|([^|]+)\|([^|]+)\|\s*$", section, re.MULTILINE):
+        codes = [[int(c) for c in part.split()] for part in m.group(2).split(";")]
+        packed = [list(bytes.fromhex(part.strip())) for part in m.group(3).split(";")]
+        rows.append((int(m.group(1)), codes, packed))
+    return rows
+
+
+GOLDEN = golden_vectors()
+
+
+def test_golden_table_found():
+    assert len(GOLDEN) >= 8 and {b for b, _, _ in GOLDEN} == {2, 3, 4, 8}
+
+
+@pytest.mark.parametrize("bits,codes,packed", GOLDEN, ids=lambda v: str(v)[:24])
+def test_unpack_golden_vectors(bits, codes, packed):
+    got = reader.unpack(np.array(packed, dtype=np.uint8), bits, len(codes[0]))
+    assert got.dtype == np.uint8 and got.tolist() == codes
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_unpack_matches_calibrate_packing(bits):
+    from calibrate.quant.packing import pack
+
+    codes = torch.randint(0, 2**bits, (3, 5, 21), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    assert np.array_equal(reader.unpack(pack(codes, bits).numpy(), bits, 21), codes.numpy())
