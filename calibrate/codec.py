@@ -33,6 +33,7 @@ from calibrate.quant import affine, codebook, packing
 from calibrate.recipe import Recipe, TensorSpec
 
 FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
+FP_EPS = 2.0**-24  # smallest positive float16: dynamic scales never round to 0 when stored
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[
             dyn = {}
         else:
             g = affine.group_view(y, spec.group_size or D)
-            scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(1e-8).to(FP).float()
+            scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(FP_EPS).to(FP).float()
             zero = torch.zeros_like(scale)
             dyn = {"scale": scale.to(FP)}
             codes = codebook.nearest_level(((g - zero) / scale).clamp(-1, 1), p.levels_L)
@@ -124,12 +125,14 @@ def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[
     if spec.axis == "channel" and spec.static:
         return affine.quantize(y, p.scale_D, p.zero_D, p.bits, spec.symmetric), {}
     if spec.axis == "channel":
-        scale, zero = affine.compute_params(y, p.bits, symmetric=spec.symmetric, reduce_dims=(-2,), clip_ratio=p.clip)
+        scale, zero = affine.compute_params(y, p.bits, symmetric=spec.symmetric, reduce_dims=(-2,), clip_ratio=p.clip,
+                                            eps=FP_EPS)
         scale, zero = scale.to(FP).float(), zero.to(FP).float()
         dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
         return affine.quantize(y, scale, zero, p.bits, spec.symmetric), dyn
     g = affine.group_view(y, spec.group_size or D)
-    scale, zero = affine.compute_params(g, p.bits, symmetric=spec.symmetric, reduce_dims=(-1,), clip_ratio=p.clip)
+    scale, zero = affine.compute_params(g, p.bits, symmetric=spec.symmetric, reduce_dims=(-1,), clip_ratio=p.clip,
+                                        eps=FP_EPS)
     scale, zero = scale.to(FP).float(), zero.to(FP).float()
     dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
     return affine.ungroup(affine.quantize(g, scale, zero, p.bits, spec.symmetric)), dyn

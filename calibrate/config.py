@@ -152,6 +152,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: fit.rotations must be a non-empty subset of none, hadamard, learned, got {f.rotations}")
     _positive("train.steps", cfg.train.steps)
     _positive("train.batch_size", cfg.train.batch_size)
+    _positive("train.new_per_step", cfg.train.new_per_step)
+    _positive("train.checkpoint_every", cfg.train.checkpoint_every)
     if cfg.train.clip_frames < 2:
         raise ValueError(f"config: train.clip_frames must be >= 2, got {cfg.train.clip_frames}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:

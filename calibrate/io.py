@@ -48,3 +48,22 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors file as bytes, deterministic: same tensors and metadata -> same bytes.
+
+    safetensors writes the `__metadata__` map in hash order, so two saves of equal inputs can
+    differ; the header JSON is re-serialized here with sorted keys (the tensors' offsets do not
+    change) and padded with spaces to a multiple of 8 bytes, as the format allows.
+    """
+    import json
+    import struct
+
+    from safetensors.torch import save
+
+    blob = save({k: tensors[k] for k in sorted(tensors)}, metadata=metadata)
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + blob[8 + n :]

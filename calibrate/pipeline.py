@@ -15,7 +15,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from calibrate import distributed
 from calibrate.cache import kept_frames
@@ -24,12 +23,12 @@ from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.strips import write_strip
-from calibrate.io import write_bytes_atomic, write_text_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
 from calibrate.fit.fitters import bits_per_element
 from calibrate.fit.objective import LayerTrace
 from calibrate.fit.search import fit_recipe
 from calibrate.recipe import Recipe, load_recipe, save_recipe
-from calibrate.runtime import predicted_cache_bytes
+from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
 from calibrate.schemes import BASELINES, KVSample, build_baseline
 from calibrate.replay import Recorder, batches, model_info, record
 from calibrate.stats import load_stats, plot_report, report
@@ -194,7 +193,7 @@ def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool) -> dict[st
 def save_frames(path: Path, runs: dict) -> None:
     tensors = {f"{name}.{kind}": t.contiguous() for name, run in runs.items() if run.frames
                for kind, t in run.frames.items()}
-    write_bytes_atomic(path, save(tensors, metadata={"format": "kv-eval-frames", "layout": "[B, N, 3, H, W] float32 in [0,1]"}))
+    write_bytes_atomic(path, safetensors_bytes(tensors, {"format": "kv-eval-frames", "layout": "[B, N, 3, H, W] float32 in [0,1]"}))
 
 
 def _command(cfg: Config) -> str:
@@ -387,3 +386,16 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     failed = [c["name"] for c in criteria if not c["passed"]]
     result["summary"] = "all criteria pass" if passed else f"{len(failed)} criteria regressed: {', '.join(failed)}"
     return result
+
+
+# ---- task=train_world ----------------------------------------------------------------------------
+def run_train_world(cfg: Config, out_dir: Path) -> dict:
+    """Train TinyWorld into `out_dir` (resumes from its checkpoint when one is there)."""
+    from calibrate.world.train import train
+    from calibrate.world.weights import save_weights
+
+    model = train(cfg.train, out_dir, resume=True)
+    path = out_dir / "tinyworld.safetensors"
+    save_weights(model, path, {"train_config": asdict(cfg.train)})
+    print(f"weights: {path} (copy to artifacts/models/tinyworld.safetensors to ship them)")
+    return {"weights": str(path)}

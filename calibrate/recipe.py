@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
-from calibrate.io import write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic
 
 FORMAT = "kv-recipe"
 FORMAT_VERSION = "1.0"
@@ -111,11 +110,16 @@ class Scheme:
 
 
 def _dataclass_from(cls, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise RecipeError(f"{where}: expected a JSON object, got {type(d).__name__}")
     names = {f.name for f in fields(cls)}
     unknown = set(d) - names
     if unknown:
         raise RecipeError(f"{where}: unknown field(s) {sorted(unknown)}")
-    return cls(**d)
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def _spec(d: dict, where: str) -> TensorSpec:
@@ -133,6 +137,12 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.clip: {s.clip} is not in (0, 1]")
     if not 0 <= s.sparse_fraction < 1:
         raise RecipeError(f"{where}.sparse_fraction: {s.sparse_fraction} is not in [0, 1)")
+    if s.kind == "codebook" and s.axis == "channel" and not s.static:
+        raise RecipeError(f"{where}: a codebook with axis 'channel' must be static (dynamic codebooks are per token)")
+    if s.group_size < 0:
+        raise RecipeError(f"{where}.group_size: {s.group_size} must be >= 0 (0 = head_dim)")
+    if not 0 <= s.centroids <= 256:
+        raise RecipeError(f"{where}.centroids: {s.centroids} not in [0, 256] (indices are stored as uint8)")
     return s
 
 
@@ -187,7 +197,7 @@ def to_bytes(recipe: Recipe) -> bytes:
         scheme=recipe.scheme.to_json(),
     )
     tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(recipe.tensors.items())}
-    return save(tensors, metadata=meta)
+    return safetensors_bytes(tensors, meta)
 
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
@@ -275,11 +285,20 @@ def validate(recipe: Recipe, where: str) -> None:
         parts = name.split(".")
         if name == "__metadata__" or len(parts) != 4 or parts[0] != "layers" or parts[2] not in ("k", "v"):
             raise RecipeError(f"{where}: tensor name '{name}' is reserved or not of the form layers.<i>.<k|v>.<role>")
+        if not parts[1].isdigit() or int(parts[1]) >= m.num_layers:
+            raise RecipeError(f"{where}: tensor '{name}' names layer {parts[1]}, the model has {m.num_layers}")
         if parts[3] not in KNOWN_ROLES:
             raise RecipeError(f"{where}: tensor '{name}' has unknown role '{parts[3]}'")
+        spec = getattr(s.layers[int(parts[1])], parts[2])
+        if parts[3] not in expected_shapes(spec, H, D) and parts[3] not in ("clip", "logit_bias"):
+            raise RecipeError(f"{where}: tensor '{name}' is not used by its spec (role '{parts[3]}' not required)")
     for i, layer in enumerate(s.layers):
         for kind in ("k", "v"):
             spec: TensorSpec = getattr(layer, kind)
+            try:
+                _spec(asdict(spec), f"scheme.layers[{i}].{kind}")
+            except RecipeError as e:
+                raise RecipeError(f"{where}: {e}") from None
             if spec.head_bits is not None and len(spec.head_bits) != H:
                 raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.head_bits has {len(spec.head_bits)} entries, expected {H}")
             g = spec.group_size or D
@@ -310,6 +329,9 @@ def validate(recipe: Recipe, where: str) -> None:
                 err = (rot.double().transpose(-1, -2) @ rot.double() - eye).abs().max().item()
                 if err > 1e-4:
                     raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.rotation' is not orthogonal (max |R^T R - I| = {err:.2e})")
+            cb = recipe.tensors.get(f"layers.{i}.{kind}.codebook")
+            if cb is not None and not (cb[:, 1:] >= cb[:, :-1]).all():
+                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.codebook' rows must be sorted ascending")
             oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")

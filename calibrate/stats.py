@@ -61,10 +61,9 @@ from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from calibrate.io import write_atomic, write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_atomic, write_bytes_atomic
 
 FORMAT = "kv-stats"
 FORMAT_VERSION = "1.0"
@@ -326,7 +325,7 @@ class KVStats:
             tensors.update({f"sample_{name}.{n}": t for n, t in sample.to_tensors().items()})
         if samples:
             metadata["samples"] = json.dumps({n: s.settings() for n, s in samples.items()}, sort_keys=True)
-        write_bytes_atomic(path, safetensors_bytes(tensors, metadata=metadata))
+        write_bytes_atomic(path, safetensors_bytes(tensors, metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> KVStats:

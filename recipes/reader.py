@@ -101,7 +101,8 @@ def dequantize_uniform_token(codes, scale, zero, bits, symmetric, group_size):
 def dequantize_static_channel(codes, scale, zero, bits, symmetric):
     """Per-channel parameters broadcast over tokens: codes [..., T, D]; scale, zero [D].
 
-    Static recipes pass roles `scale`[h] / `zero_point`[h] (zero is added for symmetric too);
+    Static recipes pass roles `scale`[h] / `zero_point`[h] (zero is added for symmetric too; a
+    frame stored at another width than the spec's uses the re-cut scale of FORMAT.md);
     the same formula decodes the dynamic per-channel case with the frame's stored [..., 1, D]
     parameters (zero None when symmetric).
     """

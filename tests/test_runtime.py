@@ -11,7 +11,8 @@ from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.codec import decode, encode, fake_quant, head_params, predicted_nbytes, stored_nbytes
 from calibrate.quant.packing import unpack
 from calibrate.quant.rotation import random_hadamard
-from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, expected_shapes, uniform_scheme, validate
+from calibrate.recipe import (ModelInfo, Recipe, RecipeError, TensorSpec, TokenPolicy, expected_shapes, save_recipe,
+                              uniform_scheme, validate)
 from calibrate.runtime import QuantizedKVCache
 
 H, D, T, B = 2, 16, 4, 2
@@ -139,9 +140,6 @@ def test_zero_and_constant_frames_are_finite(name, value):
             assert torch.equal(out, x.half().float())
 
 
-@pytest.mark.xfail(strict=True, reason="calibrate/codec.py clamps dynamic scales at 1e-8, below float16's smallest "
-                                       "subnormal, then rounds to float16: a zero group stores scale 0 and its "
-                                       "codes come from 0/0 = NaN cast to uint8")
 @pytest.mark.parametrize("spec", [TensorSpec(bits=2), TensorSpec(bits=2, symmetric=True), TensorSpec(bits=2, kind="codebook")],
                          ids=["asym", "sym", "codebook"])
 def test_zero_frame_stores_a_positive_scale(spec):
@@ -150,12 +148,35 @@ def test_zero_frame_stores_a_positive_scale(spec):
     assert (stored["p_scale"].float() > 0).all()
 
 
-@pytest.mark.xfail(strict=True, reason="calibrate/codec.py _quantize treats a non-static codebook with axis='channel' "
-                                       "as per-token groups while predicted_nbytes counts per-channel parameters")
-def test_codebook_dynamic_channel_bytes_match_prediction():
-    spec = TensorSpec(bits=2, kind="codebook", axis="channel")
-    p = head_params(toy_recipe(spec), 0, "k", 0)
-    assert stored_nbytes(encode(frame(3), spec, p)) == predicted_nbytes(spec, p, B, T, D)
+def test_dynamic_channel_codebook_is_rejected(tmp_path):
+    # dynamic codebooks are per token; a per-channel codebook must have static ranges
+    with pytest.raises(RecipeError, match="static"):
+        save_recipe(toy_recipe(TensorSpec(bits=2, kind="codebook", axis="channel")), tmp_path / "r.safetensors")
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_static_scale_is_recut_for_other_widths(symmetric):
+    # a sink/key frame stored at 8 bits keeps the calibrated 2-bit range, split into 256 steps
+    recipe = toy_recipe(TensorSpec(bits=2, axis="channel", static=True, symmetric=symmetric))
+    scale2 = recipe.tensor(0, "k", "scale")[1]
+    p8 = head_params(recipe, 0, "k", 1, bits=8)
+    if symmetric:  # range [-2 scale, 2 scale) -> [-128 s8, 128 s8)
+        torch.testing.assert_close(p8.scale_D * 128, scale2 * 2)
+    else:  # range [zero, zero + 3 scale] -> [zero, zero + 255 s8]
+        torch.testing.assert_close(p8.scale_D * 255, scale2 * 3)
+    assert torch.equal(p8.zero_D, recipe.tensor(0, "k", "zero_point")[1])
+    x = frame(4)
+    err2 = (fake_quant(x, recipe.scheme.layers[0].k, head_params(recipe, 0, "k", 1))[0] - x).abs().mean()
+    err8 = (fake_quant(x, recipe.scheme.layers[0].k, p8)[0] - x).abs().mean()
+    assert err8 < err2 / 4
+
+
+def test_codebook_rows_for_other_widths():
+    recipe = toy_recipe(TensorSpec(bits=3, kind="codebook"))
+    row = recipe.tensor(0, "k", "codebook")[0]
+    assert torch.equal(head_params(recipe, 0, "k", 0).levels_L, row)
+    assert torch.equal(head_params(recipe, 0, "k", 0, bits=2).levels_L, row[[0, 2, 5, 7]])  # rne(0, 2.33, 4.67, 7)
+    assert torch.equal(head_params(recipe, 0, "k", 0, bits=4).levels_L, torch.linspace(-1, 1, 16))
 
 
 # ---- QuantizedKVCache --------------------------------------------------------------------------------

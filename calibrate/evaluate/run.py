@@ -17,13 +17,13 @@ import json
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
 from calibrate.cache import KVCache
 from calibrate.evaluate import metrics as M
-from calibrate.io import write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe
 from calibrate.replay import batches, ground_truth, rollout_batch
 from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
@@ -82,7 +82,7 @@ def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict
     tensors = {f"{i}.{k}": v.float().contiguous() for i, r in enumerate(results) for k, v in r.series.items()}
     meta = {"memory": json.dumps(memory), "attention": json.dumps(attention),
             "trajs": json.dumps([[r.family, r.seed, r.revisit_q, r.revisit_fp, r.static_q, r.static_fp] for r in results])}
-    write_bytes_atomic(path, save(tensors, metadata=meta))
+    write_bytes_atomic(path, safetensors_bytes(tensors, meta))
 
 
 def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:

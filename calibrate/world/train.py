@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from calibrate.cache import KVCache
-from calibrate.io import write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
@@ -116,7 +116,8 @@ class ClipSource:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Frames [B, N, 3, H, W], poses and actions [B, N, 3] for training step `step`."""
-        cfg, k = self.cfg, self.cfg.new_per_step
+        cfg = self.cfg
+        k = min(cfg.new_per_step, cfg.batch_size)
         ids = list(range(step * k, step * k + k))
         gen = torch.Generator().manual_seed(cfg.seed * 3_000_017 + step)
         lo, hi = max(0, step - cfg.replay_steps) * k, max(step, 1) * k  # step 0 replays its own clips
@@ -166,7 +167,7 @@ def save_checkpoint(path: Path, model, opt, step: int, losses: list, cfg: TrainC
         "optim_steps": json.dumps(opt_steps),
         "losses": json.dumps(losses),
     }
-    write_bytes_atomic(path, save(tensors, metadata=meta))
+    write_bytes_atomic(path, safetensors_bytes(tensors, meta))
 
 
 def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:

@@ -54,10 +54,9 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
 from torch import Tensor
 
-from calibrate.io import write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.world.render import CAMERA_RADIUS, CENTER
 
 FAMILIES = ("orbit", "dolly", "pan", "revisit", "random_walk", "stress", "static")
@@ -453,7 +452,7 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
         tensors[f"{i}.poses"] = traj.poses.to(torch.float32).contiguous()
         tensors[f"{i}.actions"] = traj.actions.to(torch.float32).contiguous()
         metadata[f"{i}.meta"] = json.dumps({"family": traj.family, "seed": traj.seed, "num_frames": traj.num_frames})
-    write_bytes_atomic(path, save(tensors, metadata=metadata))
+    write_bytes_atomic(path, safetensors_bytes(tensors, metadata))
 
 
 def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:

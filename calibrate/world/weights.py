@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
-from calibrate.io import write_bytes_atomic
+from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 
 WEIGHTS_FORMAT = "tinyworld-weights"
@@ -28,7 +27,7 @@ def save_weights(model: TinyWorld, path: str | os.PathLike, extra_meta: dict | N
     meta = {"format": WEIGHTS_FORMAT, "format_version": "1.0", "config": json.dumps(model.cfg.to_dict(), sort_keys=True)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (extra_meta or {}).items()})
     tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(model.state_dict().items())}
-    write_bytes_atomic(path, save(tensors, metadata=meta))
+    write_bytes_atomic(path, safetensors_bytes(tensors, meta))
 
 
 def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
