@@ -42,7 +42,8 @@ def shard_indices(n: int, rank: int, world: int) -> list[int]:
     return list(range(rank, n, world))
 
 
-def _world(state: Any) -> tuple[int, int]:
+def rank_and_world(state: Any) -> tuple[int, int]:
+    """(this process's rank, number of processes); (0, 1) without a distributed state."""
     if state is None:
         return 0, 1
     return state.process_index, state.num_processes
@@ -50,7 +51,7 @@ def _world(state: Any) -> tuple[int, int]:
 
 def shard(items: Sequence[T], state: Any) -> list[T]:
     """The items this process handles (all of them for state None or one process)."""
-    rank, world = _world(state)
+    rank, world = rank_and_world(state)
     return [items[i] for i in shard_indices(len(items), rank, world)]
 
 
@@ -61,7 +62,7 @@ def _comm_device(state: Any) -> torch.device:
 
 def _check_group(state: Any) -> bool:
     """True when there is more than one process to reduce over."""
-    _, world = _world(state)
+    _, world = rank_and_world(state)
     if world == 1:
         return False
     if not dist.is_initialized():
@@ -89,7 +90,7 @@ def reduce_queries(sample: QuerySample, state: Any) -> QuerySample:
     """
     if not _check_group(state):
         return sample
-    _, world = _world(state)
+    _, world = rank_and_world(state)
     device = _comm_device(state)
     gathered = {}
     for name, t in sample.to_tensors().items():

@@ -86,13 +86,29 @@ def write_json(path: Path, obj) -> None:
 
 # ---- task=stats -----------------------------------------------------------------------------
 def collect(cfg: Config, model: TinyWorld, device: torch.device, trace_batches: int = 0, trace_frames: int = 0,
-            state=None) -> Recorder:
-    """Replay the calibration trajectories (this process's shard) and reduce across processes."""
+            state=None, checkpoint: Path | None = None) -> Recorder:
+    """Replay the calibration trajectories (this process's shard) and reduce across processes.
+
+    With `checkpoint`, the recorder is saved there after every batch, and a run that finds a
+    checkpoint of the same config, model and shard continues after its last finished batch
+    (the statistics come out identical to an uninterrupted run).
+    """
     info = model_info(model)
     trajs = distributed.shard(trajectory_set(cfg), state)
     recorder = Recorder.create(info, cfg.fit.sample_tokens, trace_frames, cfg.seed)
+    rank, world = distributed.rank_and_world(state)
+    key = f"{config_hash(cfg)}/{info.fingerprint}/{rank}/{world}"
+    done = 0
+    if checkpoint is not None and checkpoint.exists():
+        saved, extra = Recorder.load(checkpoint, trace_frames)
+        if extra.get("resume_key") == key:
+            recorder, done = saved, int(extra["batches_done"])
+            log.info("resuming statistics from %s after %d batches", checkpoint, done)
+    save = None
+    if checkpoint is not None:
+        save = lambda i, group: recorder.save(checkpoint, asdict(info), {"resume_key": key, "batches_done": str(i + 1)})
     record(model, trajs, recorder, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
-           cfg.trajectories.batch_size, trace_batches)
+           cfg.trajectories.batch_size, trace_batches, on_batch=save, skip_batches=done)
     distributed.reduce_stats(recorder.stats, state)
     recorder.q = distributed.reduce_queries(recorder.q, state)
     recorder.k = distributed.reduce_queries(recorder.k, state)
@@ -105,13 +121,15 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
     state = distributed_state(device)
     model = load_world(cfg, device)
     info = model_info(model)
-    recorder = collect(cfg, model, device, state=state)
+    rank, _ = distributed.rank_and_world(state)
+    checkpoint = out_dir / f"stats.partial.rank{rank}.safetensors"
+    recorder = collect(cfg, model, device, state=state, checkpoint=checkpoint)
     summary = report(recorder.stats)
     if state is None or state.is_main_process:
-        recorder.stats.save(out_dir / "stats.safetensors", model=asdict(info),
-                             samples={"q": recorder.q, "k": recorder.k, "v": recorder.v})
+        recorder.save(out_dir / "stats.safetensors", asdict(info))
         write_json(out_dir / "stats.json", summary)
         plot_report(recorder.stats, out_dir / "stats.png")
+    checkpoint.unlink(missing_ok=True)
     return {"stats": str(out_dir / "stats.safetensors"), "anchor_frames": summary["attention"]["anchor_frames"]}
 
 

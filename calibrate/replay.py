@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from calibrate.cache import KVCache, Rope, softmax_attention
 from calibrate.recipe import ModelInfo
-from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass
+from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
 from calibrate.world.model import TinyWorld, model_fingerprint
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
@@ -72,6 +72,19 @@ class Recorder:
         sample = lambda s: QuerySample(num_layers=info.num_layers, num_heads=info.num_kv_heads,
                                        head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s)
         return Recorder(KVStats(cfg), sample(0), sample(1), sample(2), trace_frames)
+
+
+    def save(self, path, model: dict, extra: dict[str, str] | None = None) -> None:
+        self.stats.save(path, model=model, samples={"q": self.q, "k": self.k, "v": self.v}, extra=extra)
+
+    @staticmethod
+    def load(path, trace_frames: int = 0) -> tuple["Recorder", dict[str, str]]:
+        loaded = load_stats(path)
+        missing = {"q", "k", "v"} - set(loaded.samples)
+        if missing:
+            raise ValueError(f"{path}: token samples {sorted(missing)} are missing")
+        s = loaded.samples
+        return Recorder(loaded.stats, s["q"], s["k"], s["v"], trace_frames), loaded.extra
 
 
 class RecordingCache(KVCache):
@@ -134,10 +147,20 @@ def rollout_batch(model: TinyWorld, trajs: list[Trajectory], cache: KVCache, dev
 
 
 def record(model: TinyWorld, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
-           device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None) -> Recorder:
-    """Replay `trajs` with the fp model, recording into `recorder`; returns it."""
+           device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None,
+           skip_batches: int = 0) -> Recorder:
+    """Replay `trajs` with the fp model, recording into `recorder`; returns it.
+
+    `skip_batches` batches are taken as already recorded (a resumed run); `on_batch(i, group)`
+    runs after each batch (checkpointing). The reservoirs are reseeded at every batch start, so
+    a run resumed from a checkpoint draws exactly what an uninterrupted one would.
+    """
     groups = batches(trajs, batch_size)
-    for i, group in enumerate(tqdm(groups, desc="replay", unit="batch")):
+    for i, group in enumerate(tqdm(groups, desc="replay", unit="batch", initial=skip_batches, total=len(groups))):
+        if i < skip_batches:
+            continue
+        for sample in (recorder.q, recorder.k, recorder.v):
+            sample.reseed()
         trace = Trace.empty(model.cfg.num_layers) if i < trace_batches and recorder.trace_frames else None
         cache = RecordingCache(model.cfg.num_layers, window, sink_frames, recorder, trace)
         rollout_batch(model, group, cache, device, desc=f"replay {group[0].family}..")

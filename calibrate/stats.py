@@ -307,12 +307,13 @@ class KVStats:
         return stats
 
     def save(self, path: str | os.PathLike, model: Mapping[str, Any] | None = None,
-             samples: Mapping[str, QuerySample] | None = None) -> None:
+             samples: Mapping[str, QuerySample] | None = None, extra: Mapping[str, str] | None = None) -> None:
         """Write one safetensors file atomically (`calibrate.io`: temp file next to it + rename).
 
         Metadata: format, format_version, config (JSON), model (the caller's JSON-able model
         description) and `samples` (JSON: name -> reservoir settings) for the token reservoirs
-        given (e.g. {"q": ..., "k": ..., "v": ...}), whose tensors are stored as sample_<name>.*.
+        given (e.g. {"q": ..., "k": ..., "v": ...}), whose tensors are stored as sample_<name>.*;
+        `extra` string fields are stored as `extra.<key>` (e.g. a resume checkpoint's progress).
         """
         tensors = self.to_tensors()
         metadata = {
@@ -325,6 +326,7 @@ class KVStats:
             tensors.update({f"sample_{name}.{n}": t for n, t in sample.to_tensors().items()})
         if samples:
             metadata["samples"] = json.dumps({n: s.settings() for n, s in samples.items()}, sort_keys=True)
+        metadata.update({f"extra.{k}": v for k, v in (extra or {}).items()})
         write_bytes_atomic(path, safetensors_bytes(tensors, metadata))
 
     @classmethod
@@ -339,6 +341,7 @@ class StatsFile:
     stats: KVStats
     model: dict[str, Any]
     samples: dict[str, QuerySample]
+    extra: dict[str, str]
 
 
 def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> StatsFile:
@@ -372,7 +375,8 @@ def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> S
         stats = KVStats.from_tensors(config, tensors, device)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
-    return StatsFile(stats=stats, model=model, samples=samples)
+    extra = {k[len("extra."):]: v for k, v in metadata.items() if k.startswith("extra.")}
+    return StatsFile(stats=stats, model=model, samples=samples, extra=extra)
 
 
 def merge(a: KVStats, b: KVStats) -> KVStats:
@@ -419,9 +423,10 @@ class QuerySample:
         self.device = torch.device(device)
         self.q_LCQD = torch.zeros(num_layers, capacity, num_heads, head_dim, device=self.device)
         self.num_seen_L = torch.zeros(num_layers, dtype=torch.int64)
-        self._reseed()
+        self.reseed()
 
-    def _reseed(self) -> None:
+    def reseed(self) -> None:
+        """Reseed from (seed, layer, seen): a stream resumed at this point draws the same numbers."""
         self._gens = [torch.Generator().manual_seed(_mix(self.seed, layer, int(self.num_seen_L[layer])))
                       for layer in range(self.num_layers)]
 
@@ -466,7 +471,7 @@ class QuerySample:
                 got = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
                 raise ValueError(f"query tensor {name} is {got}, expected {ref.dtype} {list(ref.shape)}")
             ref.copy_(t)
-        out._reseed()
+        out.reseed()
         return out
 
 
@@ -488,7 +493,7 @@ def merge_queries(a: QuerySample, b: QuerySample) -> QuerySample:
             cand = cand[key.topk(a.capacity).indices.sort().values.to(a.device)]
         out.q_LCQD[layer, : len(cand)] = cand
         out.num_seen_L[layer] = na + nb
-    out._reseed()
+    out.reseed()
     return out
 
 
