@@ -126,6 +126,11 @@ def ground_truth(trajs: list[Trajectory], device: torch.device) -> Tensor:
     return torch.stack([render(make_scene(t.seed), t.poses) for t in trajs]).to(device)
 
 
+def ground_truth_first(trajs: list[Trajectory], device: torch.device) -> Tensor:
+    """The first true frame of each trajectory, [B, 1, 3, H, W]."""
+    return torch.stack([render(make_scene(t.seed), t.poses[:1]) for t in trajs]).to(device)
+
+
 def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
     """Group trajectories of equal length into batches, order kept within a length."""
     by_len: dict[int, list[Trajectory]] = {}
@@ -135,13 +140,19 @@ def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
 
 
 def rollout_batch(model: TinyWorld, trajs: list[Trajectory], cache: KVCache, device: torch.device,
-                  truth: Tensor | None = None, desc: str | None = None) -> tuple[Tensor, Tensor]:
-    """Free rollout of a batch through `cache`: (generated frames, true frames), [B, N, 3, H, W]."""
-    truth = ground_truth(trajs, device) if truth is None else truth
+                  truth: Tensor | None = None, desc: str | None = None, keep_frames: bool = True) -> tuple[Tensor, Tensor]:
+    """Free rollout of a batch through `cache`: (generated frames, true frames), [B, N, 3, H, W].
+
+    With `keep_frames=False` only the first true frame is rendered and only the last generated
+    frame returned, so memory does not grow with the rollout length (statistics replay).
+    """
+    if truth is None:
+        truth = ground_truth(trajs, device) if keep_frames else ground_truth_first(trajs, device)
     poses = torch.stack([t.poses for t in trajs]).to(device)
     actions = torch.stack([t.actions for t in trajs]).to(device)
     bar = tqdm(total=poses.shape[1] - 1, desc=desc, leave=False, disable=desc is None)
-    frames = rollout(model, cache, truth[:, 0], poses, actions, on_frame=lambda t, f: bar.update(1))
+    frames = rollout(model, cache, truth[:, 0], poses, actions, on_frame=lambda t, f: bar.update(1),
+                     keep_frames=keep_frames)
     bar.close()
     return frames, truth
 
@@ -163,7 +174,7 @@ def record(model: TinyWorld, trajs: list[Trajectory], recorder: Recorder, window
             sample.reseed()
         trace = Trace.empty(model.cfg.num_layers) if i < trace_batches and recorder.trace_frames else None
         cache = RecordingCache(model.cfg.num_layers, window, sink_frames, recorder, trace)
-        rollout_batch(model, group, cache, device, desc=f"replay {group[0].family}..")
+        rollout_batch(model, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
         if trace is not None:
             recorder.traces.append(trace)
         if on_batch is not None:
