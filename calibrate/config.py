@@ -62,7 +62,8 @@ class FitConfig:
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
-    trace_frames: int = 64  # whole frames of the first calibration batch replayed by the objective
+    trace_frames: int = 48  # whole frames of the first calibration batch replayed by the objective
+    trace_trajectories: int = 4  # trajectories of that batch the objective replays
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off)
 
 
@@ -143,6 +144,7 @@ def validate(cfg: Config) -> None:
     _positive("fit.closed_loop_frames", f.closed_loop_frames)
     _positive("fit.sample_tokens", f.sample_tokens)
     _positive("fit.trace_frames", f.trace_frames)
+    _positive("fit.trace_trajectories", f.trace_trajectories)
     _positive("fit.outlier_channels", f.outlier_channels, allow_zero=True)
     _positive("fit.comp_rank", f.comp_rank, allow_zero=True)
     if not f.clip_grid or any(not 0 < c <= 1 for c in f.clip_grid):

@@ -237,11 +237,13 @@ def run_compare(cfg: Config, out_dir: Path) -> dict:
 
 
 # ---- task=calibrate (the default): replay -> stats -> fit -> recipe -> evaluate -> report --------
-def layer_traces(recorder: Recorder, window: int, sink_frames: int) -> list[LayerTrace]:
+def layer_traces(recorder: Recorder, window: int, sink_frames: int, num_trajectories: int) -> list[LayerTrace]:
+    """The objective's data: the first `num_trajectories` traced trajectories, per layer."""
     if not recorder.traces:
         raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
     trace = recorder.traces[0]
-    return [LayerTrace(*trace.stacked(layer), window=window, sink_frames=sink_frames) for layer in range(len(trace.q))]
+    return [LayerTrace(*(x[:num_trajectories] for x in trace.stacked(layer)), window=window, sink_frames=sink_frames)
+            for layer in range(len(trace.q))]
 
 
 def closed_loop(cfg: Config, model: TinyWorld, candidates: dict[str, Recipe], device: torch.device) -> dict[str, dict]:
@@ -266,19 +268,21 @@ def fit(cfg: Config, model: TinyWorld, device: torch.device) -> tuple[Recipe, di
     info = model_info(model)
     trajs = trajectory_set(cfg)
     recorder = collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
-    traces = layer_traces(recorder, window, sink)
+    traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
     sample = kv_sample(recorder)
-    recipe, record = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window, sink)
+    recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window, sink)
     candidates = {"fitted": recipe}
     if record["upgrades"]:
-        base_cfg = replace(cfg.fit, mixed_precision=False)
-        candidates["no_mixed_precision"], _ = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND,
-                                                         base_cfg, window, sink)
+        candidates["no_mixed_precision"] = base
     scores = closed_loop(cfg, model, candidates, device)
     chosen = max(scores, key=lambda n: (round(scores[n]["psnr_ref"], 3), -scores[n]["flicker"]))
     record["closed_loop"] = {"scores": scores, "chosen": chosen,
                              "why": "highest mean PSNR vs the fp rollout over real quantized rollouts (ties: lower flicker)"}
     recipe = candidates[chosen]
+    if chosen != "fitted":  # the closed loop preferred the recipe without mixed precision
+        record["upgrades_dropped"], record["upgrades"] = record["upgrades"], []
+        record["bits_per_element"] = record["base_bits"]
+        record["policy"] = asdict(recipe.scheme.policy)
     recipe.metadata.update(
         calibration=json.dumps({"config": asdict(cfg), "config_hash": config_hash(cfg),
                                 "trajectories": [[t.family, t.seed, t.num_frames] for t in trajs]}, sort_keys=True),

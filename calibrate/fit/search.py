@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -111,8 +111,9 @@ def _gram(stats, kind, layer, sample_HND):
 
 
 def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None, k_samples: torch.Tensor,
-               v_samples: torch.Tensor, cfg: FitConfig, window: int, sink_frames: int) -> tuple[Recipe, dict]:
-    """Fit the recipe; returns it and the fit record (choices, reasons, scores) for its metadata."""
+               v_samples: torch.Tensor, cfg: FitConfig, window: int, sink_frames: int) -> tuple[Recipe, dict, Recipe]:
+    """Fit the recipe; returns it, the fit record (choices, reasons, scores) for its metadata, and
+    the recipe before mixed precision (every tensor at 2 bits, no upgrades: a closed-loop candidate)."""
     policy, anchor_note = detect_anchors(stats, cfg.anchors)
     lam = cfg.lambda_temporal
     H = info.num_kv_heads
@@ -129,7 +130,8 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
                               _gram(stats, "v", layer, v_samples[layer]), list(cfg.rotations), list(cfg.clip_grid), lam)
         states.append({"k": k_state, "v": TensorState(v_choice, v_samples[layer], [2] * H)})
         record["layers"].append({"k": k_choice.reasons, "v": v_choice.reasons})
-    base_bits = bits_per_element(assemble(info, states, policy), window, sink_frames)
+    base = assemble(info, states, policy)
+    base_bits = bits_per_element(base, window, sink_frames)
     if base_bits > cfg.budget_bits + 1e-9:
         raise BudgetError(f"fit.budget_bits={cfg.budget_bits} is below what 2-bit codes with their parameters need "
                           f"({base_bits:.3f} bits/element for this model and token policy)")
@@ -142,7 +144,7 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
                         "sink_frames": policy.sink_frames, "sink_bits": policy.sink_bits}
     recipe = assemble(info, states, policy)
     record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
-    return recipe, record
+    return recipe, record, base
 
 
 def _layer_options(layer, trace, reference, st, policy, cfg: FitConfig, scores: list[float]) -> list[tuple]:
@@ -175,21 +177,15 @@ def _set_tensor(layer, kind, bits, oc):
     return apply
 
 
-def _policy_options(traces, refs, states, policy, cfg: FitConfig, scores) -> list[tuple]:
-    """Token-policy upgrades, priced over all layers."""
+def _policy_candidates(policy: TokenPolicy) -> list[TokenPolicy]:
+    """Token-policy upgrades: one more recent frame (at 4 or 8 bits), or recent frames to 8 bits."""
     candidates = []
     if policy.recent_frames < MAX_RECENT_FRAMES:
         for bits in ((4, 8) if policy.recent_frames == 0 else (policy.recent_bits,)):
             candidates.append(replace(policy, recent_frames=policy.recent_frames + 1, recent_bits=bits))
     if policy.recent_frames and policy.recent_bits < 8:
         candidates.append(replace(policy, recent_bits=8))
-    options = []
-    for cand in candidates:
-        gain = sum(sum(scores[l]) - sum(layer_scores(t, refs[l], states[l], cand, cfg.lambda_temporal))
-                   for l, t in enumerate(traces))
-        options.append(({"recent_frames": cand.recent_frames, "recent_bits": cand.recent_bits}, gain,
-                        lambda states, policy, cand=cand: cand))
-    return options
+    return candidates
 
 
 def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_frames):
@@ -198,12 +194,23 @@ def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_f
     bits_of = lambda pol: bits_per_element(assemble(info, states, pol), window, sink_frames)
     scores = [layer_scores(t, refs[l], states[l], policy, lam) for l, t in enumerate(traces)]
     options = {l: _layer_options(l, t, refs[l], states[l], policy, cfg, scores[l]) for l, t in enumerate(traces)}
+    # per-layer scores under each candidate policy; a layer's entries are dropped when it changes
+    policy_scores: dict[tuple, list[float]] = {}
     upgrades = []
     bar = tqdm(desc="mixed precision", unit="upgrade")
     while True:
         current = bits_of(policy)
         best = None
-        policy_opts = _policy_options(traces, refs, states, policy, cfg, scores)
+        policy_opts = []
+        for cand in _policy_candidates(policy):
+            gain = 0.0
+            for l, t in enumerate(traces):
+                key = (l, *astuple(cand))
+                if key not in policy_scores:
+                    policy_scores[key] = layer_scores(t, refs[l], states[l], cand, lam)
+                gain += sum(scores[l]) - sum(policy_scores[key])
+            policy_opts.append(({"recent_frames": cand.recent_frames, "recent_bits": cand.recent_bits}, gain,
+                                lambda states, policy, cand=cand: cand))
         for what, gain, apply in [o for opts in options.values() for o in opts] + policy_opts:
             if gain <= 0:
                 continue
@@ -220,7 +227,9 @@ def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_f
         _, what, gain, apply, cost = best
         policy = apply(states, policy)
         # a tensor upgrade changes one layer's scores; a policy upgrade changes every layer's
-        for l in [what["layer"]] if "layer" in what else range(len(traces)):
+        changed = [what["layer"]] if "layer" in what else list(range(len(traces)))
+        policy_scores = {key: v for key, v in policy_scores.items() if key[0] not in changed}
+        for l in changed:
             scores[l] = layer_scores(traces[l], refs[l], states[l], policy, lam)
             options[l] = _layer_options(l, traces[l], refs[l], states[l], policy, cfg, scores[l])
         upgrades.append({**what, "gain": round(gain, 6), "bits_cost": round(cost, 4)})

@@ -1,0 +1,292 @@
+"""The command line contract (DESIGN.md section 8): outputs under fixed names, and bad input gives a
+non-zero exit with one clear line on stderr, no traceback, and nothing overwritten.
+
+The smoke test and a few bad inputs run `python -m calibrate` in a subprocess (the process's
+exit code and stderr are the contract). The rest of the bad-input suite calls the same entry
+point, `calibrate.__main__.main`, in process with `sys.argv` set: Hydra parses the same
+arguments, and its exit code (SystemExit) and stderr are observed the same way, ~10x faster.
+Recipes, weights and trajectories are made for a tiny random TinyWorld (`model.weights=...`),
+so every failure below is the one the case is about.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from calibrate.io import safetensors_bytes
+from calibrate.quant.rotation import random_hadamard
+from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, load_recipe, save_recipe, to_bytes, uniform_scheme
+from calibrate.replay import model_info
+from calibrate.world.model import TinyWorld, TinyWorldConfig
+from calibrate.world.trajectories import make_trajectories, save_trajectories
+from calibrate.world.weights import save_weights
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
+SENTINELS = {"recipe.safetensors": b"sentinel recipe", "stats.safetensors": b"sentinel stats",
+             "report.json": b'{"sentinel": true}', "stats.json": b'{"sentinel": 1}'}
+# what a failed run may leave in its run dir besides the untouched sentinels
+ALLOWED_AFTER_FAILURE = {"config.yaml", "__main__.log", ".hydra"}
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+            "HYDRA_FULL_ERROR": ""}
+
+
+def run_subprocess(args: list[str]) -> tuple[int, str, str]:
+    run = subprocess.run([sys.executable, "-m", "calibrate", *args], cwd=REPO, env=env(), capture_output=True,
+                         text=True, timeout=120)
+    return run.returncode, run.stdout, run.stderr
+
+
+def run_in_process(args: list[str], capsys) -> tuple[int, str, str]:
+    """`python -m calibrate ARGS` in this process: (exit code, stdout, stderr)."""
+    from calibrate.__main__ import main
+
+    root = logging.getLogger()
+    handlers, level, argv = root.handlers[:], root.level, sys.argv
+    capsys.readouterr()
+    sys.argv = ["calibrate", *args]
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        for h in root.handlers:  # Hydra adds a console and a run-dir file handler per run
+            if h not in handlers:
+                h.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def nonempty_lines(text: str) -> list[str]:
+    return [l for l in text.splitlines() if l.strip()]
+
+
+# ---- fixtures: a tiny model, a valid recipe for it, and malformed variants ----------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    model = TinyWorld(TINY).eval()
+    torch.nn.init.normal_(model.patch_out.weight, std=0.02)
+    path = tmp_path_factory.mktemp("weights") / "tiny.safetensors"
+    save_weights(model, path)
+    return model, path
+
+
+def valid_recipe(info: ModelInfo) -> Recipe:
+    """Static per-channel K with a rotation, per-token V: a tensor for every check to break."""
+    H, D = info.num_kv_heads, info.head_dim
+    k = TensorSpec(bits=2, axis="channel", static=True, rotation="hadamard")
+    v = TensorSpec(bits=4, axis="token", group_size=16)
+    tensors = {}
+    for i in range(info.num_layers):
+        tensors[f"layers.{i}.k.rotation"] = torch.stack([random_hadamard(D, seed=10 * i + h) for h in range(H)])
+        tensors[f"layers.{i}.k.scale"] = torch.full((H, D), 0.5)
+        tensors[f"layers.{i}.k.zero_point"] = -torch.ones(H, D)
+    return Recipe(info, uniform_scheme("cli-test", info.num_layers, k, v, TokenPolicy(sink_frames=1)), tensors)
+
+
+def raw_parts(blob_path: Path) -> tuple[dict, dict]:
+    with safe_open(str(blob_path), framework="pt") as f:
+        return dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.fixture(scope="module")
+def files(tiny, tmp_path_factory):
+    """Every input file the suite uses, by name."""
+    model, weights = tiny
+    d = tmp_path_factory.mktemp("inputs")
+    info = model_info(model)
+    good = d / "good.safetensors"
+    save_recipe(valid_recipe(info), good)
+    load_recipe(good, info)  # the base recipe is valid for the tiny model: each variant breaks one thing
+    meta, tensors = raw_parts(good)
+    paths = {"weights": weights, "good": good, "missing": d / "does-not-exist.safetensors"}
+
+    def variant(name: str, meta_patch: dict | None = None, tensor_patch: dict | None = None, drop=()) -> None:
+        m = {**meta, **(meta_patch or {})}
+        t = {k: v for k, v in {**tensors, **(tensor_patch or {})}.items() if k not in drop}
+        paths[name] = d / f"{name}.safetensors"
+        paths[name].write_bytes(safetensors_bytes(t, m))
+
+    blob = good.read_bytes()
+    paths["truncated"] = d / "truncated.safetensors"
+    paths["truncated"].write_bytes(blob[: len(blob) // 2])
+    paths["text"] = d / "notes.safetensors"
+    paths["text"].write_text("this is not a safetensors file\n")
+    H, D = info.num_kv_heads, info.head_dim
+    scale = tensors["layers.1.k.scale"]
+    variant("wrong_format", {"format": "kv-stats"})
+    variant("major_version", {"format_version": "2.0"})
+    variant("bad_json", {"scheme": "{not json"})
+    scheme = json.loads(meta["scheme"])
+    scheme["layers"][0]["v"]["bits"] = 5
+    variant("bad_bits", {"scheme": json.dumps(scheme)})
+    variant("missing_tensor", drop=("layers.1.k.scale",))
+    variant("wrong_shape", tensor_patch={"layers.1.k.scale": torch.full((H, D - 1), 0.5)})
+    variant("nan_scale", tensor_patch={"layers.1.k.scale": scale.clone().index_fill_(1, torch.tensor([3]), float("nan"))})
+    variant("zero_scale", tensor_patch={"layers.1.k.scale": scale.clone().index_fill_(1, torch.tensor([3]), 0.0)})
+    variant("not_orthogonal", tensor_patch={"layers.0.k.rotation": tensors["layers.0.k.rotation"] * 1.1})
+    variant("unknown_role", tensor_patch={"layers.0.k.mystery": torch.zeros(H)})
+    other = json.loads(meta["model"])
+    other["fingerprint"] = "0123456789abcdef"
+    variant("other_model", {"model": json.dumps(other)})
+
+    trajs = make_trajectories(["orbit"], "calibration", 1, 8)
+    tgood = d / "trajs.safetensors"
+    save_trajectories(tgood, trajs)
+    tmeta, ttensors = raw_parts(tgood)
+    paths["traj_garbage"] = d / "garbage.safetensors"
+    paths["traj_garbage"].write_bytes(os.urandom(64))
+    paths["traj_missing_tensor"] = d / "traj_missing.safetensors"
+    paths["traj_missing_tensor"].write_bytes(safetensors_bytes({"0.poses": ttensors["0.poses"]}, tmeta))
+
+    paths["weights_corrupt"] = d / "weights_corrupt.safetensors"
+    paths["weights_corrupt"].write_bytes(weights.read_bytes()[:1000])
+    wmeta, wtensors = raw_parts(weights)
+    wmeta["config"] = json.dumps({**json.loads(wmeta["config"]), "dim": 64})
+    paths["weights_shape"] = d / "weights_shape.safetensors"
+    paths["weights_shape"].write_bytes(safetensors_bytes(wtensors, wmeta))
+    return paths
+
+
+# ---- the bad-input suite ------------------------------------------------------------------------
+@dataclass
+class Case:
+    id: str
+    args: list[str]  # "{name}" is replaced by files[name]
+    expect: list[str]  # substrings the error line must contain (case-insensitive)
+    subprocess: bool = False  # run as a real process (a few, to pin the contract end to end)
+    hydra: bool = False  # rejected by Hydra itself: non-zero exit, short multi-line message
+
+
+TINY_MODEL = ["model.weights={weights}"]
+QUICK = ["trajectories=quick", "trajectories.num_frames=4", "trajectories.num_trajectories=1"]
+EVAL = ["task=evaluate", *TINY_MODEL]
+CASES = [
+    # recipes
+    Case("recipe-truncated", [*EVAL, "recipe={truncated}"], ["truncated.safetensors", "not a readable safetensors"], subprocess=True),
+    Case("recipe-not-safetensors", [*EVAL, "recipe={text}"], ["notes.safetensors", "not a readable safetensors"]),
+    Case("recipe-wrong-format", [*EVAL, "recipe={wrong_format}"], ["'format'", "kv-stats"]),
+    Case("recipe-major-version", ["task=check", *TINY_MODEL, "recipe={major_version}"], ["format_version", "2.0"]),
+    Case("recipe-bad-json", [*EVAL, "recipe={bad_json}"], ["bad_json.safetensors", "json"]),
+    Case("recipe-bad-bits", [*EVAL, "recipe={bad_bits}"], ["layers[0].v.bits", "5"]),
+    Case("recipe-missing-tensor", [*EVAL, "recipe={missing_tensor}"], ["layers.1.k.scale", "missing"]),
+    Case("recipe-wrong-shape", [*EVAL, "recipe={wrong_shape}"], ["layers.1.k.scale", "shape"]),
+    Case("recipe-nan-scale", ["task=check", *TINY_MODEL, "recipe={nan_scale}"], ["layers.1.k.scale", "nan"]),
+    Case("recipe-non-positive-scale", [*EVAL, "recipe={zero_scale}"], ["layers.1.k.scale", "non-positive"]),
+    Case("recipe-not-orthogonal", [*EVAL, "recipe={not_orthogonal}"], ["layers.0.k.rotation", "orthogonal"]),
+    Case("recipe-unknown-role", [*EVAL, "recipe={unknown_role}"], ["layers.0.k.mystery", "role"]),
+    Case("recipe-other-model", ["task=check", *TINY_MODEL, "recipe={other_model}"], ["fingerprint", "recalibrate"]),
+    Case("recipe-missing-file", [*EVAL, "recipe={missing}"], ["does-not-exist.safetensors", "no such"]),
+    Case("recipe-not-given", ["task=evaluate"], ["recipe=path"]),
+    # trajectory files
+    Case("trajectories-garbage", ["task=stats", *TINY_MODEL, "trajectories.file={traj_garbage}"],
+         ["garbage.safetensors", "not a readable"], subprocess=True),
+    Case("trajectories-wrong-format", ["task=stats", *TINY_MODEL, "trajectories.file={good}"], ["good.safetensors", "format"]),
+    Case("trajectories-missing-tensor", ["task=stats", *TINY_MODEL, "trajectories.file={traj_missing_tensor}"],
+         ["traj_missing.safetensors", "0.actions"]),
+    Case("trajectories-missing-file", ["task=stats", *TINY_MODEL, "trajectories.file={missing}"], ["does-not-exist.safetensors"]),
+    # configs
+    Case("unknown-task", ["task=nope"], ["unknown task 'nope'"]),
+    Case("unknown-group-option", ["quant=nope"], ["quant", "nope"], subprocess=True, hydra=True),
+    Case("unknown-trajectory-set", ["trajectories=nope"], ["trajectories", "nope"], hydra=True),
+    Case("unknown-key", ["+foo=1"], ["foo"]),
+    Case("negative-num-frames", ["trajectories.num_frames=-1"], ["trajectories.num_frames", "-1"], subprocess=True),
+    Case("zero-num-trajectories", ["trajectories.num_trajectories=0"], ["trajectories.num_trajectories", "0"]),
+    Case("unknown-family", ["trajectories.families=[orbit,nope]"], ["family", "nope"]),
+    Case("bad-device", ["device=tpu"], ["device", "tpu"]),
+    Case("non-numeric-value", ["trajectories.num_frames=abc"], ["trajectories.num_frames", "abc"]),
+    Case("clip-above-one", ["fit.clip_grid=[1.0,1.5]"], ["fit.clip_grid", "1.5"]),
+    Case("unknown-rotation", ["fit.rotations=[none,spin]"], ["fit.rotations", "spin"]),
+    Case("zero-window", ["model.cache.window=0"], ["model.cache.window"]),
+    Case("unknown-model", ["task=stats", "model.name=bigworld"], ["bigworld"]),
+    Case("budget-below-2-bits", ["task=calibrate", *TINY_MODEL, *QUICK, "trajectories.families=[orbit]",
+                                 "fit.budget_bits=1.0", "fit.trace_frames=4", "fit.sample_tokens=64",
+                                 "fit.clip_grid=[1.0]", "fit.rotations=[none]"], ["budget_bits", "1.0"]),
+    Case("unknown-scheme", ["task=compare", *TINY_MODEL, "schemes=[fp16,nope]"], ["unknown scheme 'nope'"]),
+    # weights
+    Case("weights-missing", ["task=stats", "model.weights={missing}"], ["does-not-exist.safetensors", "not found"]),
+    Case("weights-corrupt", ["task=stats", "model.weights={weights_corrupt}"], ["weights_corrupt.safetensors", "not a readable"],
+         subprocess=True),
+    Case("weights-shape-mismatch", ["task=stats", "model.weights={weights_shape}"], ["weights_shape.safetensors", "shape"]),
+]
+if not torch.cuda.is_available():
+    CASES.append(Case("cuda-without-gpu", ["task=stats", *TINY_MODEL, "device=cuda:0"], ["device=cuda:0", "cuda"]))
+
+
+def test_suite_is_large_enough():
+    assert len(CASES) >= 25 and sum(c.subprocess for c in CASES) >= 3
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_fails_with_one_clear_line_and_overwrites_nothing(case, files, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name, data in SENTINELS.items():
+        (run_dir / name).write_bytes(data)
+    args = [a.format(**{k: str(v) for k, v in files.items()}) for a in case.args] + [f"hydra.run.dir={run_dir}"]
+    if case.subprocess:
+        code, _, err = run_subprocess(args)
+    else:
+        code, _, err = run_in_process(args, capsys)
+
+    assert "Traceback" not in err, err
+    lines = nonempty_lines(err)
+    assert lines, "no message on stderr"
+    if case.hydra:
+        assert code != 0
+        text = err.lower()
+    else:
+        assert code == 2, err
+        errors = [l for l in lines if l.startswith("error:")]
+        assert errors == [lines[-1]], f"expected exactly one 'error:' line, last on stderr:\n{err}"
+        text = lines[-1].lower()
+    for word in case.expect:
+        assert word.lower() in text, f"{word!r} not in {text!r}"
+    for name, data in SENTINELS.items():
+        assert (run_dir / name).read_bytes() == data, f"{name} was overwritten"
+    left = {p.name for p in run_dir.iterdir()} - set(SENTINELS) - ALLOWED_AFTER_FAILURE
+    assert not left, f"a failed run left {sorted(left)}"
+
+
+# ---- the happy path, --help, --cfg ---------------------------------------------------------------
+def test_stats_smoke_writes_fixed_names(tmp_path):
+    run_dir = tmp_path / "run"
+    code, _, err = run_subprocess(["task=stats", "trajectories=quick", "trajectories.num_frames=8",
+                                   "trajectories.num_trajectories=2", f"hydra.run.dir={run_dir}"])
+    assert code == 0, err
+    for name in ("stats.safetensors", "stats.json", "stats.png", "config.yaml"):
+        assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
+    assert json.loads((run_dir / "stats.json").read_text())
+    # the per-batch resume checkpoint and temporary files are gone after a finished run
+    assert not [p.name for p in run_dir.iterdir() if "partial" in p.name or p.name.endswith(".tmp")]
+
+
+def test_help_lists_the_tasks():
+    code, out, err = run_subprocess(["--help"])
+    assert code == 0, err
+    for task in ("calibrate", "stats", "evaluate", "compare", "check", "train_world"):
+        assert task in out
+
+
+def test_cfg_job_prints_the_config(capsys, monkeypatch, tmp_path):
+    code, out, err = run_in_process(["--cfg", "job", "task=stats", "trajectories=quick", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 0, err
+    assert "task: stats" in out and "num_frames: 48" in out and "budget_bits:" in out
+    assert not list(tmp_path.iterdir())  # printing the config runs nothing
