@@ -59,6 +59,7 @@ class FitConfig:
     clip_grid: list[float] = field(default_factory=lambda: [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     rotations: list[str] = field(default_factory=lambda: ["none", "hadamard", "learned"])
     outlier_channels: int = 2  # per head, kept in float16 (0 = off)
+    sparse_fraction: float = 0.01  # dense-and-sparse upgrade: share of entries kept in float16 (0 = off)
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
@@ -147,6 +148,8 @@ def validate(cfg: Config) -> None:
     _positive("fit.trace_trajectories", f.trace_trajectories)
     _positive("fit.outlier_channels", f.outlier_channels, allow_zero=True)
     _positive("fit.comp_rank", f.comp_rank, allow_zero=True)
+    if not 0 <= f.sparse_fraction < 0.5:
+        raise ValueError(f"config: fit.sparse_fraction must lie in [0, 0.5), got {f.sparse_fraction}")
     if not f.clip_grid or any(not 0 < c <= 1 for c in f.clip_grid):
         raise ValueError(f"config: fit.clip_grid values must lie in (0, 1], got {f.clip_grid}")
     bad = [r for r in f.rotations if r not in ("none", "hadamard", "learned")]

@@ -2,8 +2,9 @@
 
     python -m calibrate.benchmarks.fit [--out artifacts/benchmarks] [--frames 256] [--trajectories 7]
 
-Fits `ours` with the default config and with one mechanism off at a time (temporal term,
-rotation, outlier channels, anchor policy, mixed precision), evaluates every recipe and every
+Fits `ours` with the default config, with one mechanism off at a time (temporal term,
+rotation, outlier channels, anchor policy, mixed precision, dense-and-sparse), and at a
+3.25-bit budget (about kvquant2's measured bits), evaluates every recipe and every
 baseline on held-out evaluation seeds (all families, 256-frame rollouts), and writes
 `fit.md` + `fit.json`: PSNR vs the fp rollout in windows 0-64 and 64-256, flicker, PSNR vs
 ground truth and measured bits per element, plus the targets of the fitting issue, each
@@ -34,6 +35,8 @@ ABLATIONS = {
     "ours_no_outliers": {"outlier_channels": 0},
     "ours_no_anchors": {"anchors": False},
     "ours_no_mixed": {"mixed_precision": False},
+    "ours_no_sparse": {"sparse_fraction": 0.0},
+    "ours_3.25bit": {"budget_bits": 3.25},  # about kvquant2's measured bits: equal-memory comparison
 }
 BASELINES_2BIT = ("naive2", "kivi2", "quarot2", "kvquant2", "qvg2")
 WINDOWS = ((0, 64), (64, 256))

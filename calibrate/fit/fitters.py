@@ -139,9 +139,12 @@ def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, othe
     return best
 
 
-def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None) -> tuple[TensorSpec, dict[str, Tensor]]:
-    """The choice re-parametrized for per-head bits (static ranges are recomputed per bit width)."""
-    spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None)
+def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None,
+              sparse_fraction: float = 0.0) -> tuple[TensorSpec, dict[str, Tensor]]:
+    """The choice with per-head bits (static ranges recomputed per width), outlier channels and
+    dense-and-sparse outliers."""
+    spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None,
+                   sparse_fraction=sparse_fraction)
     tensors = dict(choice.tensors)
     if spec.axis == "channel" and spec.static:
         clip_H = torch.tensor(choice.reasons["clip"])

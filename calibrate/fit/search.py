@@ -8,6 +8,8 @@
    extra bit until the next one would exceed `budget_bits`. Upgrades:
    - one step of bits (2 -> 3 -> 4 -> 8) for one (layer, tensor, head);
    - `outlier_channels` float16 channels for one (layer, tensor);
+   - dense-and-sparse: the largest `sparse_fraction` of one (layer, tensor)'s entries per frame
+     kept in float16 (with their index), so ranges fit the bulk of the values;
    - one more *recent* frame at 4 or 8 bits, or recent frames from 4 to 8 bits (the token
      policy: attention mass concentrates on the newest frames, so their precision is
      worth more than that of old ones; priced over all layers at once).
@@ -46,31 +48,37 @@ class TensorState:
     sample_HND: torch.Tensor
     head_bits: list[int]
     outliers: torch.Tensor | None = None
+    sparse: float = 0.0
 
     def spec_tensors(self):
-        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers)
+        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers, self.sparse)
 
-    def hat(self, x: torch.Tensor, bits: int | None = None, head_bits=None, outliers="same") -> torch.Tensor | None:
-        """Fake-quantized x at the head bits (or all heads at `bits`; 16 -> None = fp)."""
+    def knobs(self) -> tuple:
+        return self.head_bits, self.outliers, self.sparse
+
+    def set_knobs(self, knobs: tuple) -> None:
+        self.head_bits, self.outliers, self.sparse = knobs
+
+    def hat(self, x: torch.Tensor, bits: int | None = None, knobs: tuple | None = None) -> torch.Tensor | None:
+        """Fake-quantized x (with other `knobs` if given; all heads at `bits` if given; 16 -> None = fp)."""
         if bits is not None and bits >= 16:
             return None
-        st = TensorState(self.choice, self.sample_HND, head_bits or self.head_bits,
-                         self.outliers if isinstance(outliers, str) else outliers)
+        st = TensorState(self.choice, self.sample_HND, *(knobs or self.knobs()))
         spec, tensors = st.spec_tensors()
         return fake_quant_heads(x, spec, tensors, [bits] * len(st.head_bits) if bits else st.head_bits)
 
 
 def layer_scores(trace: LayerTrace, reference, st: dict, policy: TokenPolicy, lam: float, override=None) -> list[float]:
-    """Per-head objective of one layer; `override` = (kind, head_bits, outliers) to price an upgrade."""
+    """Per-head objective of one layer; `override` = (kind, knobs) to price an upgrade."""
     hats = {}
     for kind in ("k", "v"):
         x = trace.k if kind == "k" else trace.v
         s = st[kind]
-        hb, oc = (override[1], override[2]) if override and override[0] == kind else (None, "same")
+        knobs = override[1] if override and override[0] == kind else None
         hats[kind] = (
-            s.hat(x, head_bits=hb, outliers=oc),
-            s.hat(x, bits=policy.recent_bits, outliers=oc) if policy.recent_frames else None,
-            s.hat(x, bits=policy.sink_bits, outliers=oc) if policy.sink_frames else None,
+            s.hat(x, knobs=knobs),
+            s.hat(x, bits=policy.recent_bits, knobs=knobs) if policy.recent_frames else None,
+            s.hat(x, bits=policy.sink_bits, knobs=knobs) if policy.sink_frames else None,
         )
     out = attention_outputs(
         trace, hats["k"][0], hats["v"][0],
@@ -153,26 +161,31 @@ def _layer_options(layer, trace, reference, st, policy, cfg: FitConfig, scores: 
     options = []
     for kind in ("k", "v"):
         s = st[kind]
-        stepped = [NEXT_BITS.get(b, b) for b in s.head_bits]
-        if stepped != s.head_bits:
-            new = layer_scores(trace, reference, st, policy, lam, (kind, stepped, s.outliers))
+        bits, oc, sparse = s.knobs()
+        stepped = [NEXT_BITS.get(b, b) for b in bits]
+        if stepped != bits:
+            new = layer_scores(trace, reference, st, policy, lam, (kind, (stepped, oc, sparse)))
             for h in range(len(stepped)):
-                if stepped[h] != s.head_bits[h]:
-                    bits = list(s.head_bits)
-                    bits[h] = stepped[h]
+                if stepped[h] != bits[h]:
+                    one = list(bits)
+                    one[h] = stepped[h]
                     options.append(({"layer": layer, "tensor": kind, "head": h, "bits": stepped[h]}, scores[h] - new[h],
-                                     _set_tensor(layer, kind, bits, s.outliers)))
-        if s.outliers is None and cfg.outlier_channels > 0:
-            oc = outlier_channels(s.sample_HND, s.choice.tensors.get("rotation"), cfg.outlier_channels)
-            new = layer_scores(trace, reference, st, policy, lam, (kind, s.head_bits, oc))
-            options.append(({"layer": layer, "tensor": kind, "outliers": oc.tolist()}, sum(scores) - sum(new),
-                            _set_tensor(layer, kind, s.head_bits, oc)))
+                                     _set_tensor(layer, kind, (one, oc, sparse))))
+        if oc is None and cfg.outlier_channels > 0:
+            channels = outlier_channels(s.sample_HND, s.choice.tensors.get("rotation"), cfg.outlier_channels)
+            new = layer_scores(trace, reference, st, policy, lam, (kind, (bits, channels, sparse)))
+            options.append(({"layer": layer, "tensor": kind, "outliers": channels.tolist()}, sum(scores) - sum(new),
+                            _set_tensor(layer, kind, (bits, channels, sparse))))
+        if sparse == 0 and cfg.sparse_fraction > 0:
+            new = layer_scores(trace, reference, st, policy, lam, (kind, (bits, oc, cfg.sparse_fraction)))
+            options.append(({"layer": layer, "tensor": kind, "sparse_fraction": cfg.sparse_fraction},
+                            sum(scores) - sum(new), _set_tensor(layer, kind, (bits, oc, cfg.sparse_fraction))))
     return options
 
 
-def _set_tensor(layer, kind, bits, oc):
+def _set_tensor(layer, kind, knobs):
     def apply(states, policy):
-        states[layer][kind].head_bits, states[layer][kind].outliers = bits, oc
+        states[layer][kind].set_knobs(knobs)
         return policy
     return apply
 
@@ -214,10 +227,11 @@ def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_f
         for what, gain, apply in [o for opts in options.values() for o in opts] + policy_opts:
             if gain <= 0:
                 continue
-            saved = [(st["k"].head_bits, st["k"].outliers, st["v"].head_bits, st["v"].outliers) for st in states]
+            saved = [(st["k"].knobs(), st["v"].knobs()) for st in states]
             cost = bits_of(apply(states, policy)) - current
-            for st, (kb, ko, vb, vo) in zip(states, saved):
-                st["k"].head_bits, st["k"].outliers, st["v"].head_bits, st["v"].outliers = kb, ko, vb, vo
+            for st, (k_knobs, v_knobs) in zip(states, saved):
+                st["k"].set_knobs(k_knobs)
+                st["v"].set_knobs(v_knobs)
             if cost <= 0 or current + cost > cfg.budget_bits + 1e-9:
                 continue
             if best is None or gain / cost > best[0]:
