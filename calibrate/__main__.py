@@ -37,11 +37,12 @@ def run(cfg: DictConfig) -> dict:
     config = to_config(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     task = getattr(pipeline, f"run_{config.task}", None)
     if task is None:
         raise ValueError(f"task '{config.task}' is not implemented yet")
     result = task(config, out_dir)
+    # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs
+    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     if config.task == "check" and not result.get("passed", False):
         raise CheckFailed(result.get("summary", "check failed"))
     return result

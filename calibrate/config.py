@@ -140,7 +140,8 @@ def validate(cfg: Config) -> None:
     _positive("trajectories.batch_size", t.batch_size)
     _positive("trajectories.seed", t.seed, allow_zero=True)
     f = cfg.fit
-    _positive("fit.budget_bits", f.budget_bits)
+    if f.budget_bits < 2:
+        raise ValueError(f"config: fit.budget_bits={f.budget_bits} is below the 2 bits per element that 2-bit codes alone need")
     _positive("fit.lambda_temporal", f.lambda_temporal, allow_zero=True)
     _positive("fit.closed_loop_frames", f.closed_loop_frames)
     _positive("fit.sample_tokens", f.sample_tokens)

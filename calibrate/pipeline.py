@@ -28,10 +28,10 @@ from calibrate.fit.fitters import bits_per_element
 from calibrate.fit.objective import LayerTrace
 from calibrate.fit.search import fit_recipe
 from calibrate.recipe import Recipe, load_recipe, save_recipe
-from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
+from calibrate.runtime import predicted_cache_bytes
 from calibrate.schemes import BASELINES, KVSample, build_baseline
-from calibrate.replay import Recorder, batches, model_info, record
-from calibrate.stats import load_stats, plot_report, report
+from calibrate.replay import Recorder, model_info, record
+from calibrate.stats_report import plot_report, report
 from calibrate.world.model import TinyWorld
 from calibrate.world.trajectories import Trajectory, load_trajectories, make_trajectories
 from calibrate.world.weights import load_weights
@@ -100,7 +100,11 @@ def collect(cfg: Config, model: TinyWorld, device: torch.device, trace_batches: 
     key = f"{config_hash(cfg)}/{info.fingerprint}/{rank}/{world}"
     done = 0
     if checkpoint is not None and checkpoint.exists():
-        saved, extra = Recorder.load(checkpoint, trace_frames)
+        try:
+            saved, extra = Recorder.load(checkpoint, trace_frames)
+        except ValueError as e:  # only a cache of finished work: start over
+            log.warning("ignoring unreadable resume checkpoint (%s)", e)
+            saved, extra = None, {}
         if extra.get("resume_key") == key:
             recorder, done = saved, int(extra["batches_done"])
             log.info("resuming statistics from %s after %d batches", checkpoint, done)
@@ -224,7 +228,7 @@ def run_evaluate(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
     recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, model_info(model))}
-    rep = evaluate_and_report(cfg, out_dir, recipes, model, device, _command(cfg))
+    evaluate_and_report(cfg, out_dir, recipes, model, device, _command(cfg))
     return {"report": str(out_dir / "report.json")}
 
 
@@ -402,7 +406,7 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     result = {"recipe": cfg.recipe, "passed": passed, "criteria": criteria, "measured": measured}
     write_json(out_dir / "check.json", result)
     write_text_atomic(out_dir / "check.xml", junit_xml(criteria, str(cfg.recipe)))
-    print(f"| criterion | measured | threshold | result |\n|---|---|---|---|")
+    print("| criterion | measured | threshold | result |\n|---|---|---|---|")
     for c in criteria:
         print(f"| {c['name']} | {c['measured']:.4f} | {c['comparison']} {c['threshold']:.4f} | {'pass' if c['passed'] else 'FAIL'} |")
     failed = [c["name"] for c in criteria if not c["passed"]]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.cache import KVCache, Rope
 from calibrate.recipe import ModelInfo
 from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
 from calibrate.world.model import TinyWorld, model_fingerprint

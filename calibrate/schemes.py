@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from calibrate.quant import codebook, rotation
-from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy, uniform_scheme
+from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
 
 KIVI_RESIDUAL_TOKENS = 128
 

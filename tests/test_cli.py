@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from calibrate.io import safetensors_bytes
 from calibrate.quant.rotation import random_hadamard
-from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, load_recipe, save_recipe, to_bytes, uniform_scheme
+from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, load_recipe, save_recipe, uniform_scheme
 from calibrate.replay import model_info
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.trajectories import make_trajectories, save_trajectories
@@ -38,8 +38,8 @@ ALLOWED_AFTER_FAILURE = {"config.yaml", "__main__.log", ".hydra"}
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-            "HYDRA_FULL_ERROR": ""}
+    e = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # it would turn errors into tracebacks
+    return {**e, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
 
 
 def run_subprocess(args: list[str]) -> tuple[int, str, str]:

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from calibrate import stats as S
+from calibrate import stats_report as V
 
 L, H, D = 2, 2, 8
 CFG = S.KVStatsConfig(num_layers=L, num_heads=H, head_dim=D, num_bins=64, hist_range=(-4.0, 4.0),
@@ -59,8 +60,8 @@ def test_moments_gram_and_minmax_match_torch():
     for kind in S.KINDS:
         for layer in range(L):
             x = _all_values(frames, kind, layer)
-            torch.testing.assert_close(S.mean(st, kind)[layer], x.mean(1), rtol=1e-9, atol=1e-12)
-            torch.testing.assert_close(S.var(st, kind)[layer], x.var(1, unbiased=False), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(V.mean(st, kind)[layer], x.mean(1), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(V.var(st, kind)[layer], x.var(1, unbiased=False), rtol=1e-9, atol=1e-12)
             torch.testing.assert_close(st[f"{kind}.gram"][layer], x.transpose(1, 2) @ x, rtol=1e-9, atol=1e-9)
             assert torch.equal(st[f"{kind}.min"][layer], x.amin(1))
             assert torch.equal(st[f"{kind}.absmax"][layer], x.abs().amax(1))
@@ -98,13 +99,13 @@ def test_percentiles_within_one_bin_of_torch_quantile():
     width = cfg.bin_width
     for kind in S.KINDS:
         for q in (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0):
-            est = S.percentile(st, kind, q)
+            est = V.percentile(st, kind, q)
             for layer in range(L):
                 exact = _all_values(frames, kind, layer).quantile(q, dim=1)
                 assert (est[layer] - exact).abs().max() <= width, (kind, q, layer)
     # the extremes are exact (clamped to min / max)
-    assert torch.equal(S.percentile(st, "k", 0.0), st["k.min"])
-    assert torch.equal(S.percentile(st, "k", 1.0), st["k.max"])
+    assert torch.equal(V.percentile(st, "k", 0.0), st["k.min"])
+    assert torch.equal(V.percentile(st, "k", 1.0), st["k.max"])
 
 
 def test_out_of_range_values_land_in_edge_bins():
@@ -127,7 +128,7 @@ def test_kurtosis_gaussian_and_heavy_tail():
         gauss.update(0, x, x, f)
         y = laplace.sample((8, H, 32, D))
         heavy.update(0, y, y, f)
-    kg, kh = S.kurtosis(gauss, "k")[0], S.kurtosis(heavy, "k")[0]
+    kg, kh = V.kurtosis(gauss, "k")[0], V.kurtosis(heavy, "k")[0]
     assert abs(float(kg.mean()) - 3.0) < 0.15
     assert float(kh.mean()) > 4.5  # Laplace: 6
 
@@ -138,9 +139,9 @@ def test_outlier_channel_is_found():
         k = k.clone()
         k[:, 1, :, 5] *= 20
         st.update(0, k, v, f)
-    top = S.outlier_channels(st, "k", top_k=3)[0][0]
+    top = V.outlier_channels(st, "k", top_k=3)[0][0]
     assert (top["head"], top["channel"]) == (1, 5) and top["ratio"] > 5
-    assert S.outlier_channels(st, "v", top_k=1)[0][0]["ratio"] < 3
+    assert V.outlier_channels(st, "v", top_k=1)[0][0]["ratio"] < 3
 
 
 def test_anchor_frame_is_detected():
@@ -152,8 +153,8 @@ def test_anchor_frame_is_detected():
         probs[..., 0] = 0.8 if len(kept) > 1 else 1.0
         for layer in range(L):
             st.update_attention(layer, probs, kept, newest)
-    assert S.anchor_frames(st) == [[0], [0]]
-    profile = S.age_profile(st)
+    assert V.anchor_frames(st) == [[0], [0]]
+    profile = V.age_profile(st)
     torch.testing.assert_close(profile.sum(-1), torch.ones(L, Q, dtype=torch.float64))
     assert float(profile[0, 0, -1]) > 0.6  # frame 0 is old: its mass sits in the clipped last age
 
@@ -171,7 +172,7 @@ def test_range_drift_follows_buckets():
     for f in range(12):
         x = torch.ones(1, H, 2, D) * (1.0 if f < 4 else 3.0)
         st.update(0, x, x, f)
-    drift = S.range_drift(st, "k")
+    drift = V.range_drift(st, "k")
     assert drift[0, :, 0].tolist() == [1.0] * H and drift[0, :, 1].tolist() == [3.0] * H
     assert drift[0, :, 3:].eq(0).all() and drift[1].eq(0).all()  # empty buckets / layer
     st.update(0, torch.ones(1, H, 2, D), torch.ones(1, H, 2, D), 10_000)  # past max_frames
@@ -217,9 +218,9 @@ def test_load_rejects_bad_files(tmp_path):
 
 @pytest.mark.parametrize("value", [0.0, 2.5])
 def test_degenerate_inputs_give_no_nan(value, tmp_path):
-    views = lambda st: [S.mean(st, "k"), S.std(st, "k"), S.kurtosis(st, "v"), S.percentile(st, "k", 0.3),
-                        S.outlier_ratio(st, "v"), S.range_drift(st, "k"), S.age_profile(st),
-                        S.age_ratio(st), S.anchor_ratio(st)]
+    views = lambda st: [V.mean(st, "k"), V.std(st, "k"), V.kurtosis(st, "v"), V.percentile(st, "k", 0.3),
+                        V.outlier_ratio(st, "v"), V.range_drift(st, "k"), V.age_profile(st),
+                        V.age_ratio(st), V.anchor_ratio(st)]
     empty = S.KVStats(CFG)
     st = S.KVStats(CFG)
     for f in range(3):
@@ -229,11 +230,11 @@ def test_degenerate_inputs_give_no_nan(value, tmp_path):
     for s in (empty, st):
         for t in views(s):
             assert torch.isfinite(t).all()
-        json.dumps(S.report(s), allow_nan=False)
-    assert S.kurtosis(st, "k").eq(0).all()
-    assert torch.equal(S.percentile(st, "k", 0.3)[0], torch.full((H, D), value, dtype=torch.float64))
+        json.dumps(V.report(s), allow_nan=False)
+    assert V.kurtosis(st, "k").eq(0).all()
+    assert torch.equal(V.percentile(st, "k", 0.3)[0], torch.full((H, D), value, dtype=torch.float64))
     png = tmp_path / "empty.png"
-    S.plot_report(empty, png)
+    V.plot_report(empty, png)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -256,14 +257,14 @@ def test_report_and_plot(tmp_path):
     for newest in range(5):
         kept = list(range(newest + 1))
         st.update_attention(0, torch.full((1, H, newest + 1), 1 / (newest + 1)), kept, newest)
-    rep = S.report(st, top_k=2)
+    rep = V.report(st, top_k=2)
     json.dumps(rep, allow_nan=False)
     assert len(rep["k"]["outlier_channels"]) == L and len(rep["k"]["outlier_channels"][0]) == 2
     assert rep["attention"]["anchor_frames"] == [[], []]
     assert rep["attention"]["age_profile"]["ages"] == [0, 1, 2, 3, 4]
     assert rep["v"]["range_drift"]["bucket_frames"] == [[0, 4], [4, 8]]
     png = tmp_path / "stats.png"
-    S.plot_report(st, png)
+    V.plot_report(st, png)
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 

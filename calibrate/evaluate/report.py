@@ -26,7 +26,6 @@ side (5th percentile / minimum for PSNR and SSIM, 95th percentile / maximum for 
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 
 import torch

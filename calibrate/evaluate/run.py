@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.cache import KVCache
 from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe

@@ -23,12 +23,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from calibrate.codec import HeadParams, fake_quant, head_params
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.quant import rotation as rot
-from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
+from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec
 from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
 
 

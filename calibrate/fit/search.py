@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import astuple, dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -30,7 +30,8 @@ from calibrate.config import FitConfig
 from calibrate.fit.fitters import Choice, bits_per_element, fake_quant_heads, fit_tensor, outlier_channels, with_bits
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TokenPolicy
-from calibrate.stats import KVStats, anchor_frames
+from calibrate.stats import KVStats
+from calibrate.stats_report import anchor_frames
 
 log = logging.getLogger(__name__)
 
