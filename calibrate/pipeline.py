@@ -149,16 +149,19 @@ def kv_sample(recorder: Recorder) -> KVSample:
 
 
 def calibration_sample(cfg: Config, model: TinyWorld, device: torch.device) -> KVSample:
-    """A short replay of calibration-split trajectories, for baselines that calibrate."""
-    calib_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="calibration", file=None,
-                                                   num_frames=min(cfg.trajectories.num_frames, 128)))
+    """K/V samples from the calibration split (same trajectory settings, calibration seeds)."""
+    calib_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="calibration", file=None))
     return kv_sample(collect(calib_cfg, model, device))
 
 
-def resolve_schemes(cfg: Config, names: list[str], model: TinyWorld, device: torch.device) -> dict[str, Recipe]:
+def resolve_schemes(cfg: Config, names: list[str], model: TinyWorld, device: torch.device,
+                    sample: KVSample | None = None) -> dict[str, Recipe]:
+    """Recipes for preset names (baselines, `ours` = the shipped recipe) or recipe paths.
+
+    Calibrated baselines fit on `sample`, or on a calibration replay made here when not given.
+    """
     info = model_info(model)
     recipes: dict[str, Recipe] = {}
-    sample = None
     for name in names:
         if name in BASELINES:
             if name in ("kvquant2", "qvg2") and sample is None:
@@ -266,12 +269,17 @@ def closed_loop(cfg: Config, model: TinyWorld, candidates: dict[str, Recipe], de
     return out
 
 
-def fit(cfg: Config, model: TinyWorld, device: torch.device) -> tuple[Recipe, dict]:
-    """Replay the calibration set, fit, select by closed loop: (recipe, metadata sections)."""
+def calibration_recording(cfg: Config, model: TinyWorld, device: torch.device) -> Recorder:
+    """Replay the calibration set with the fp model: statistics, token samples, traced frames."""
+    return collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
+
+
+def fit(cfg: Config, model: TinyWorld, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
+    """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
     info = model_info(model)
     trajs = trajectory_set(cfg)
-    recorder = collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
+    recorder = recorder or calibration_recording(cfg, model, device)
     traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
     sample = kv_sample(recorder)
     recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window, sink)

@@ -134,13 +134,14 @@ def main(argv=None) -> int:
         return 2
     run_dir = Path(args.run_dir)
     recipes, records = {}, {}
+    recording = pipeline.calibration_recording(cfg, model, device)  # one replay serves every variant
     for name in args.ablations.split(","):
         fit_cfg = replace(cfg, fit=replace(cfg.fit, **ABLATIONS[name]))
-        recipe, record = pipeline.fit(fit_cfg, model, device)
+        recipe, record = pipeline.fit(fit_cfg, model, device, recording)
         save_recipe(recipe, run_dir / f"{name}.safetensors")
         recipes[name], records[name] = recipe, record
     baselines = [b for b in args.baselines.split(",") if b]
-    recipes.update(pipeline.resolve_schemes(cfg, baselines, model, device))
+    recipes.update(pipeline.resolve_schemes(cfg, baselines, model, device, pipeline.kv_sample(recording)))
     eval_cfg = replace(cfg, trajectories=TrajectoriesConfig(split="evaluation", num_trajectories=args.trajectories,
                                                             num_frames=args.frames))
     trajs = pipeline.trajectory_set(eval_cfg)
