@@ -48,7 +48,7 @@ MOTION_FAMILIES = ("orbit", "dolly", "pan", "random_walk", "stress")
 class TrainConfig:
     """Training schedule of TinyWorld (`task=train_world`)."""
 
-    steps: int = 3000  # optimizer steps in total (a resumed run continues up to this)
+    steps: int = 3500  # optimizer steps in total (a resumed run continues up to this)
     batch_size: int = 12  # clips per step
     clip_frames: int = 24  # frames per clip (clip_frames - 1 predictions)
     lr: float = 6e-4
