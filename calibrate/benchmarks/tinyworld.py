@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "format_version": FORMAT_VERSION,
         "command": " ".join([COMMAND, *map(shlex.quote, argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "weights": {"path": str(weights), "fingerprint": model_fingerprint(model)},
+        "weights": {"path": os.path.relpath(weights), "fingerprint": model_fingerprint(model)},
         "config": {
             "split": SPLIT, "seed_range": list(SEED_RANGES[SPLIT]), "num_trajectories": args.num_trajectories,
             "num_frames": args.num_frames, "memory_trajectories": args.memory_trajectories,
