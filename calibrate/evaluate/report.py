@@ -169,13 +169,15 @@ def blind_spot_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def windows_markdown(report: dict, key: str = "psnr_ref") -> str:
+def windows_markdown(report: dict, key: str = "psnr_ref", digits: int = 2) -> str:
     names = list(report["schemes"])
-    windows = list(next(iter(report["schemes"].values()))["metrics"][key]["windows"])
+    windows = sorted(next(iter(report["schemes"].values()))["metrics"][key]["windows"],
+                     key=lambda w: int(w.split("-")[0].rstrip("+")))  # JSON may hold them sorted as text
     lines = ["| scheme | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]
     for n in names:
         w = report["schemes"][n]["metrics"][key]["windows"]
-        lines.append(f"| {n} | " + " | ".join(f"{_fmt(w[x]['mean'], 2)} ({_fmt(w[x]['p95'], 1)})" if x in w else "-" for x in windows) + " |")
+        lines.append(f"| {n} | " + " | ".join(f"{_fmt(w[x]['mean'], digits)} ({_fmt(w[x]['p95'], digits)})" if x in w else "-"
+                                             for x in windows) + " |")
     return "\n".join(lines)
 
 
@@ -203,7 +205,7 @@ def markdown(report: dict, command: str, images: dict[str, str]) -> str:
         "",
         "## Flicker per window: mean (p95)",
         "",
-        windows_markdown(report, "flicker"),
+        windows_markdown(report, "flicker", digits=5),
         "",
     ]
     for title, path in images.items():
