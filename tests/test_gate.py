@@ -1,0 +1,87 @@
+"""The CI gate on the shipped recipe, the recording cache's transparency, and the eval report schema."""
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate import load_model
+from calibrate.cache import KVCache
+from calibrate.recipe import load_recipe, save_recipe
+from calibrate.replay import Recorder, RecordingCache, Trace, model_info, rollout_batch
+from calibrate.world.trajectories import make_trajectories
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "recipes").glob("*.safetensors"))
+
+
+def _check(recipe: Path, run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "calibrate", "task=check", f"recipe={recipe}", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no shipped recipe")
+def test_check_passes_on_shipped_recipe_and_fails_on_a_degraded_copy(tmp_path):
+    ok = _check(SHIPPED[0], tmp_path / "ok")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    result = json.loads((tmp_path / "ok" / "check.json").read_text())
+    assert result["passed"] and result["criteria"]
+    suite = ET.parse(tmp_path / "ok" / "check.xml").getroot()
+    assert suite.tag == "testsuite" and int(suite.get("failures")) == 0 and int(suite.get("tests")) == len(result["criteria"])
+
+    # degrade: widen every static scale (coarser steps) and every clip to min/max
+    recipe = load_recipe(SHIPPED[0])
+    for name, t in recipe.tensors.items():
+        if name.endswith(".scale"):
+            recipe.tensors[name] = t * 3.0
+    degraded = tmp_path / "degraded.safetensors"
+    save_recipe(recipe, degraded)
+    bad = _check(degraded, tmp_path / "bad")
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    assert "check failed" in bad.stderr
+    suite = ET.parse(tmp_path / "bad" / "check.xml").getroot()
+    assert int(suite.get("failures")) >= 1
+
+
+def test_recording_does_not_change_the_rollout():
+    model = load_model("tinyworld")
+    trajs = make_trajectories(["orbit", "revisit"], "evaluation", 2, 24)
+    plain, _ = rollout_batch(model, trajs, KVCache(model.cfg.num_layers, 16, 1), torch.device("cpu"))
+    recorder = Recorder.create(model_info(model), sample_tokens=64, trace_frames=8)
+    cache = RecordingCache(model.cfg.num_layers, 16, 1, recorder, Trace.empty(model.cfg.num_layers))
+    recorded, _ = rollout_batch(model, trajs, cache, torch.device("cpu"))
+    assert torch.equal(plain, recorded)
+    assert int(recorder.stats.tensors["k.count"][0]) == 2 * 24 * 16 - 2 * 16  # every appended frame's tokens
+    assert len(cache.trace.k[0]) == 8
+
+
+def test_report_schema(tmp_path):
+    from calibrate.config import Config, TrajectoriesConfig
+    from calibrate.pipeline import evaluate_and_report, resolve_schemes
+
+    cfg = Config(task="compare")
+    cfg.trajectories = TrajectoriesConfig(families=["static", "revisit"], num_trajectories=2, num_frames=20)
+    cfg.eval.strips = True
+    model = load_model("tinyworld")
+    recipes = resolve_schemes(cfg, ["fp16", "naive2"], model, torch.device("cpu"))
+    rep = evaluate_and_report(cfg, tmp_path, recipes, model, torch.device("cpu"), "test")
+    data = json.loads((tmp_path / "report.json").read_text())  # strict JSON: no NaN/inf
+    assert data == json.loads(json.dumps(rep)) and data["schema"] == "kv-eval-report/1"
+    for name in ("fp16", "naive2"):
+        s = data["schemes"][name]
+        assert set(s) == {"recipe", "memory", "metrics", "per_frame"}
+        m = s["metrics"]
+        for key in ("psnr_ref", "ssim_ref", "psnr_gt"):
+            assert set(m[key]) == {"windows", "first16", "all"}
+            assert set(m[key]["all"]) == {"mean", "p95", "worst"}
+        assert m["flicker_static"]["quant"] is not None and m["revisit"]["fp"] is not None
+        assert len(m["attention"]["kl"]) == model.cfg.num_layers
+        assert s["memory"]["bytes"] == s["memory"]["predicted_bytes"]
+        assert len(s["per_frame"]["psnr_ref"]) == 20
+    assert data["schemes"]["fp16"]["memory"]["ratio_to_fp16"] == 1.0
+    for f in ("report.md", "psnr_ref.png", "flicker.png", "attention_kl.png", "strip_naive2.gif"):
+        assert (tmp_path / f).stat().st_size > 0
