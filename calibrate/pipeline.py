@@ -138,7 +138,8 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
 
 
 # ---- schemes: presets or recipe files ----------------------------------------------------------
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED_RECIPES = _SOURCE_RECIPES if _SOURCE_RECIPES.is_dir() else Path(__file__).resolve().parent / "recipes"
 OURS = "tinyworld-ours-2bit.safetensors"
 
 

@@ -19,7 +19,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tinywo
 
 def default_weights_path() -> Path:
     """The shipped weights: next to the source tree, or installed inside the package."""
-    packaged = Path(__file__).resolve().parent / "tinyworld.safetensors"
+    packaged = Path(__file__).resolve().parents[1] / "models" / "tinyworld.safetensors"
     return SHIPPED if SHIPPED.exists() or not packaged.exists() else packaged
 
 
