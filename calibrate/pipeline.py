@@ -123,6 +123,8 @@ def collect(cfg: Config, model: TinyWorld, device: torch.device, trace_batches: 
 def run_stats(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     state = distributed_state(device)
+    if state is not None:
+        device = state.device  # each process on its own GPU (cuda:<local rank>), or the CPU
     model = load_world(cfg, device)
     info = model_info(model)
     rank, _ = distributed.rank_and_world(state)

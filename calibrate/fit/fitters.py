@@ -56,7 +56,7 @@ def rotations(kind: str, layer: int, gram_HDD: Tensor, names: list[str]) -> dict
     return out
 
 
-def _params(spec: TensorSpec, tensors: dict[str, Tensor], h: int, bits: int) -> HeadParams:
+def params_of(spec: TensorSpec, tensors: dict[str, Tensor], h: int, bits: int) -> HeadParams:
     """HeadParams of head h stored at `bits`, exactly as the runtime derives them from a recipe."""
     H = next(iter(tensors.values())).shape[0] if tensors else h + 1
     info = ModelInfo("fit", 1, H, 0, 0, "")
@@ -69,7 +69,7 @@ def fake_quant_heads(x_BHFTD: Tensor, spec: TensorSpec, tensors: dict[str, Tenso
     out = []
     for h in range(H):
         y = x_BHFTD[:, h].reshape(B * F, T, D)
-        out.append(fake_quant(y, spec, _params(spec, tensors, h, bits[h]))[0].reshape(B, F, T, D))
+        out.append(fake_quant(y, spec, params_of(spec, tensors, h, bits[h]))[0].reshape(B, F, T, D))
     return torch.stack(out, dim=1)
 
 
@@ -139,11 +139,11 @@ def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, othe
 
 
 def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None,
-              sparse_fraction: float = 0.0) -> tuple[TensorSpec, dict[str, Tensor]]:
-    """The choice with per-head bits (static ranges recomputed per width), outlier channels and
-    dense-and-sparse outliers."""
+              sparse_fraction: float = 0.0, comp: tuple[Tensor, Tensor] | None = None) -> tuple[TensorSpec, dict[str, Tensor]]:
+    """The choice with per-head bits (static ranges recomputed per width), outlier channels,
+    dense-and-sparse outliers and a low-rank compensator (down [H, D, r], up [H, r, D])."""
     spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None,
-                   sparse_fraction=sparse_fraction)
+                   sparse_fraction=sparse_fraction, comp_rank=0 if comp is None else comp[0].shape[-1])
     tensors = dict(choice.tensors)
     if spec.axis == "channel" and spec.static:
         clip_H = torch.tensor(choice.reasons["clip"])
@@ -154,6 +154,8 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
     if outliers is not None:
         spec = replace(spec, outliers=outliers.shape[1])
         tensors["outlier_channels"] = outliers
+    if comp is not None:
+        tensors["comp_down"], tensors["comp_up"] = comp
     return spec, tensors
 
 

@@ -27,7 +27,10 @@ import torch
 from tqdm import tqdm
 
 from calibrate.config import FitConfig
-from calibrate.fit.fitters import Choice, bits_per_element, fake_quant_heads, fit_tensor, outlier_channels, with_bits
+from calibrate.codec import fake_quant
+from calibrate.fit.compensate import fit_compensator
+from calibrate.fit.fitters import (Choice, bits_per_element, fake_quant_heads, fit_tensor, outlier_channels, params_of,
+                                   with_bits)
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TokenPolicy
 from calibrate.stats import KVStats
@@ -50,9 +53,10 @@ class TensorState:
     head_bits: list[int]
     outliers: torch.Tensor | None = None
     sparse: float = 0.0
+    comp: tuple[torch.Tensor, torch.Tensor] | None = None  # low-rank compensator, fitted last
 
     def spec_tensors(self):
-        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers, self.sparse)
+        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers, self.sparse, self.comp)
 
     def knobs(self) -> tuple:
         return self.head_bits, self.outliers, self.sparse
@@ -64,7 +68,7 @@ class TensorState:
         """Fake-quantized x (with other `knobs` if given; all heads at `bits` if given; 16 -> None = fp)."""
         if bits is not None and bits >= 16:
             return None
-        st = TensorState(self.choice, self.sample_HND, *(knobs or self.knobs()))
+        st = TensorState(self.choice, self.sample_HND, *(knobs or self.knobs()), comp=self.comp)
         spec, tensors = st.spec_tensors()
         return fake_quant_heads(x, spec, tensors, [bits] * len(st.head_bits) if bits else st.head_bits)
 
@@ -149,11 +153,40 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
     if cfg.mixed_precision:
         policy, upgrades = _allocate(info, traces, refs, states, policy, cfg, window, sink_frames)
     record["upgrades"] = upgrades
+    record["compensators"] = _compensate(traces, refs, states, policy, cfg) if cfg.comp_rank > 0 else []
     record["policy"] = {"recent_frames": policy.recent_frames, "recent_bits": policy.recent_bits,
                         "sink_frames": policy.sink_frames, "sink_bits": policy.sink_bits}
     recipe = assemble(info, states, policy)
     record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
     return recipe, record, base
+
+
+def _compensate(traces, refs, states, policy, cfg: FitConfig) -> list[dict]:
+    """Fit a rank-`comp_rank` compensator per (layer, tensor, head) on the calibration samples
+    (closed form, compensate.py) and keep it where it lowers the layer's objective."""
+    lam = cfg.lambda_temporal
+    kept = []
+    for layer, trace in enumerate(traces):
+        for kind in ("k", "v"):
+            s = states[layer][kind]
+            before = sum(layer_scores(trace, refs[layer], states[layer], policy, lam))
+            spec, tensors = s.spec_tensors()
+            downs, ups = [], []
+            for h, bits in enumerate(s.head_bits):
+                x = s.sample_HND[h]
+                x_hat = fake_quant(x.unsqueeze(0), spec, params_of(spec, tensors, h, bits))[0][0]
+                R = tensors.get("rotation")
+                y, y_hat = (x, x_hat) if R is None else (x @ R[h], x_hat @ R[h])
+                down, up = fit_compensator(y, y_hat, cfg.comp_rank)
+                downs.append(down)
+                ups.append(up)
+            s.comp = (torch.stack(downs), torch.stack(ups))
+            after = sum(layer_scores(trace, refs[layer], states[layer], policy, lam))
+            if after < before:
+                kept.append({"layer": layer, "tensor": kind, "rank": cfg.comp_rank, "gain": round(before - after, 6)})
+            else:
+                s.comp = None
+    return kept
 
 
 def _layer_options(layer, trace, reference, st, policy, cfg: FitConfig, scores: list[float]) -> list[tuple]:
