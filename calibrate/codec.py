@@ -73,8 +73,10 @@ def head_params(recipe: Recipe, layer: int, kind: str, head: int, bits: int | No
         levels_L=levels,
         outlier_channels_n=t("outlier_channels"),
         centroids_CD=t("centroids"),
-        comp_down_DR=t("comp_down"),
-        comp_up_RD=t("comp_up"),
+        # the compensator is fitted on the spec's own precision: frames stored at other bits
+        # (sink, recent, key frames) are decoded without it
+        comp_down_DR=t("comp_down") if b == native else None,
+        comp_up_RD=t("comp_up") if b == native else None,
     )
 
 
