@@ -219,12 +219,20 @@ def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool) -> dict[st
 
 
 def save_frames(path: Path, runs: dict) -> None:
-    tensors = {f"{name}.{kind}": t.contiguous() for name, run in runs.items() if run.frames
-               for kind, t in run.frames.items()}
-    write_bytes_atomic(path, safetensors_bytes(tensors, {"format": "kv-eval-frames", "layout": "[B, N, 3, H, W] float32 in [0,1]"}))
+    """frames.safetensors: the fp reference and ground truth once per batch, each scheme's rollout."""
+    tensors = {}
+    for name, run in runs.items():
+        for b, batch in enumerate(run.frames or []):
+            tensors[f"reference.batch{b}"] = batch["reference"]
+            tensors[f"ground_truth.batch{b}"] = batch["ground_truth"]
+            tensors[f"{name}.batch{b}.quantized"] = batch["quantized"]
+    layout = ("reference.batch<i>, ground_truth.batch<i>, <scheme>.batch<i>.quantized: "
+              "[B, N, 3, H, W] float32 in [0, 1]")
+    write_bytes_atomic(path, safetensors_bytes({k: t.contiguous() for k, t in tensors.items()},
+                                               {"format": "kv-eval-frames", "layout": layout}))
 
 
-def _command(cfg: Config) -> str:
+def _command() -> str:
     import sys
 
     return "python -m calibrate " + " ".join(sys.argv[1:])
@@ -234,7 +242,7 @@ def run_evaluate(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
     recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, model_info(model))}
-    evaluate_and_report(cfg, out_dir, recipes, model, device, _command(cfg))
+    evaluate_and_report(cfg, out_dir, recipes, model, device, _command())
     return {"report": str(out_dir / "report.json")}
 
 
@@ -242,7 +250,7 @@ def run_compare(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
     recipes = resolve_schemes(cfg, list(cfg.schemes), model, device)
-    evaluate_and_report(cfg, out_dir, recipes, model, device, _command(cfg))
+    evaluate_and_report(cfg, out_dir, recipes, model, device, _command())
     return {"report": str(out_dir / "report.json")}
 
 
@@ -315,15 +323,14 @@ def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:
 
 
 def summary_metrics(rep: dict) -> dict:
-    """The few numbers a recipe records about itself (and that task=check compares against)."""
-    out = {}
-    for name, s in rep["schemes"].items():
-        m = s["metrics"]
-        out = {"psnr_ref_all": m["psnr_ref"]["all"]["mean"], "psnr_ref_first16": m["psnr_ref"]["first16"]["mean"],
-               "psnr_ref_windows": {w: v["mean"] for w, v in m["psnr_ref"]["windows"].items()},
-               "flicker": m["flicker"]["all"]["mean"], "psnr_gt_all": m["psnr_gt"]["all"]["mean"],
-               "bits_per_element": s["memory"]["bits_per_element"]}
-    return out
+    """The few numbers a recipe records about itself (and that task=check compares against),
+    from a report of that one recipe."""
+    (s,) = rep["schemes"].values()
+    m = s["metrics"]
+    return {"psnr_ref_all": m["psnr_ref"]["all"]["mean"], "psnr_ref_first16": m["psnr_ref"]["first16"]["mean"],
+            "psnr_ref_windows": {w: v["mean"] for w, v in m["psnr_ref"]["windows"].items()},
+            "flicker": m["flicker"]["all"]["mean"], "psnr_gt_all": m["psnr_gt"]["all"]["mean"],
+            "bits_per_element": s["memory"]["bits_per_element"]}
 
 
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
@@ -335,7 +342,7 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
         recipe, _ = fit(cfg, model, device)
     recipe.path = None
     eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
-    rep = evaluate_and_report(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device, _command(cfg))
+    rep = evaluate_and_report(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device, _command())
     metrics = {"evaluation": summary_metrics(rep)}
     check_cfg = check_trajectories(cfg)
     check_rep = report_mod.build(

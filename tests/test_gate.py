@@ -66,6 +66,7 @@ def test_report_schema(tmp_path):
     cfg = Config(task="compare")
     cfg.trajectories = TrajectoriesConfig(families=["static", "revisit"], num_trajectories=2, num_frames=20)
     cfg.eval.strips = True
+    cfg.eval.save_frames = True
     model = load_model("tinyworld")
     recipes = resolve_schemes(cfg, ["fp16", "naive2"], model, torch.device("cpu"))
     rep = evaluate_and_report(cfg, tmp_path, recipes, model, torch.device("cpu"), "test")
@@ -85,3 +86,11 @@ def test_report_schema(tmp_path):
     assert data["schemes"]["fp16"]["memory"]["ratio_to_fp16"] == 1.0
     for f in ("report.md", "psnr_ref.png", "flicker.png", "attention_kl.png", "strip_naive2.gif"):
         assert (tmp_path / f).stat().st_size > 0
+    # anyone can recompute a metric from the saved frames
+    from safetensors.torch import load_file
+
+    from calibrate.evaluate.metrics import psnr
+
+    frames = load_file(str(tmp_path / "frames.safetensors"))
+    recomputed = psnr(frames["naive2.batch0.quantized"], frames["reference.batch0"]).mean(0)
+    torch.testing.assert_close(recomputed, torch.tensor(data["schemes"]["naive2"]["per_frame"]["psnr_ref"], dtype=recomputed.dtype))

@@ -53,7 +53,7 @@ class SchemeRun:
     memory: dict
     attention: dict
     worst: tuple[float, Tensor, Tensor] | None = None  # (mean psnr_ref, ref frames, quant frames)
-    frames: dict[str, Tensor] | None = None
+    frames: list[dict[str, Tensor]] | None = None  # per batch: reference, quantized, ground_truth
 
 
 def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Tensor) -> list[TrajResult]:
@@ -128,7 +128,8 @@ def evaluate(model: TinyWorld, recipes: dict[str, Recipe], trajs: list[Trajector
                     _save_partial(path, results, memory, attn)
                 _track_worst(runs[name], results, ref, quant)
                 if keep_frames:
-                    runs[name].frames = _append_frames(runs[name].frames, ref, quant, truth)
+                    runs[name].frames = (runs[name].frames or []) + [
+                        {"reference": ref.cpu(), "quantized": quant.cpu(), "ground_truth": truth.cpu()}]
             runs[name].trajs.extend(results)
             runs[name].memory = _add(runs[name].memory, memory)
             attn_sums[name] = _add(attn_sums[name] or {}, attn)
@@ -144,13 +145,6 @@ def _track_worst(run: SchemeRun, results: list[TrajResult], ref: Tensor, quant: 
         score = float(r.series["psnr_ref"].mean())
         if run.worst is None or score < run.worst[0]:
             run.worst = (score, ref[b].cpu(), quant[b].cpu())
-
-
-def _append_frames(frames, ref, quant, truth):
-    new = {"reference": ref.cpu(), "quantized": quant.cpu(), "ground_truth": truth.cpu()}
-    if frames is None:
-        return new
-    return {k: torch.cat([frames[k], new[k]]) if frames[k].shape[1:] == new[k].shape[1:] else frames[k] for k in frames}
 
 
 def _add(a: dict, b: dict) -> dict:
