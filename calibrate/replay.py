@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.cache import KVCache, Rope
+from calibrate.cache import KVCache, Rope, softmax_attention
 from calibrate.recipe import ModelInfo
 from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
 from calibrate.world.model import TinyWorld, model_fingerprint
@@ -97,11 +97,13 @@ class RecordingCache(KVCache):
         index = self._num_appended[layer]
         _check_finite(layer, index, k_BHTD, "K")
         _check_finite(layer, index, v_BHTD, "V")
-        out = super().attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
+        # what KVCache.attend does, with the kept K/V read once for the output and the statistics
+        self.append(layer, k_BHTD, v_BHTD, key_rope)
+        k_all, v_all = self.read(layer)
+        out = softmax_attention(q_BHTD, k_all, v_all)
         rec = self.recorder
         k_post = key_rope.apply(k_BHTD)
         rec.stats.update(layer, k_post, v_BHTD, index)
-        k_all, _ = self.read(layer)
         logits = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) / math.sqrt(q_BHTD.shape[-1])
         rec.stats.update_attention(layer, frame_mass(logits.softmax(-1), q_BHTD.shape[2]), self.frame_indices(layer), index)
         rec.q.update(layer, q_BHTD)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope
+from calibrate.cache import KVCache, Rope, softmax_attention
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
 
@@ -73,8 +73,10 @@ class ShadowCache(KVCache):
         self._prev_err: dict[tuple[str, int], Tensor] = {}
 
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
-        out = super().attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
-        k_all, _ = self.read(layer)
+        # what KVCache.attend does, with the kept K/V read once for the output and the comparison
+        self.append(layer, k_BHTD, v_BHTD, key_rope)
+        k_all, v_all = self.read(layer)
+        out = softmax_attention(q_BHTD, k_all, v_all)
         scale = 1.0 / math.sqrt(q_BHTD.shape[-1])
         logp_ref = (torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) * scale).log_softmax(-1)
         T = q_BHTD.shape[2]

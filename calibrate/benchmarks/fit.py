@@ -39,7 +39,6 @@ ABLATIONS = {
     "ours_3.25bit": {"budget_bits": 3.25},  # about kvquant2's measured bits: equal-memory comparison
 }
 BASELINES_2BIT = ("naive2", "kivi2", "quarot2", "kvquant2", "qvg2")
-WINDOWS = ((0, 64), (64, 256))
 
 
 def window_mean(run, key: str, lo: int, hi: int) -> float:

@@ -51,7 +51,7 @@ def rotations(kind: str, layer: int, gram_HDD: Tensor, names: list[str]) -> dict
             out[name] = torch.stack([rot.random_hadamard(D, seed=7919 * layer + 31 * h + (kind == "v")) for h in range(H)])
         elif name == "learned":
             # PCA: columns = eigenvectors of the (uncentered) channel second-moment matrix, largest first
-            evals, evecs = torch.linalg.eigh(gram_HDD.double())
+            _, evecs = torch.linalg.eigh(gram_HDD.double())
             out[name] = evecs.flip(-1).float().contiguous()
     return out
 
