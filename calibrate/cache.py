@@ -56,10 +56,18 @@ def kept_frames(num_appended: int, window: int, sink_frames: int) -> list[int]:
     return sinks + list(range(recent_start, num_appended))
 
 
-def softmax_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor) -> Tensor:
-    """Plain scaled dot-product attention of one frame's queries over the cached tokens."""
-    scale = 1.0 / math.sqrt(q_BHTD.shape[-1])
-    logits_BHTN = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_BHND) * scale
+def attention_logits(q_BHTD: Tensor, k_BHND: Tensor, bias_BHTN: Tensor | None = None) -> Tensor:
+    """Scaled dot-product logits q.k / sqrt(D), plus an additive bias if given."""
+    logits_BHTN = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_BHND) * (1.0 / math.sqrt(q_BHTD.shape[-1]))
+    return logits_BHTN if bias_BHTN is None else logits_BHTN + bias_BHTN
+
+
+def softmax_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor, bias_BHTN: Tensor | None = None) -> Tensor:
+    """Plain scaled dot-product attention of one frame's queries over the cached tokens.
+
+    `bias_BHTN` is added to the logits (the runtime's key-noise logit correction); None = none.
+    """
+    logits_BHTN = attention_logits(q_BHTD, k_BHND, bias_BHTN)
     return torch.einsum("bhtn,bhnd->bhtd", logits_BHTN.softmax(dim=-1), v_BHND)
 
 

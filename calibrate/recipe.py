@@ -22,6 +22,9 @@ The scheme (JSON) says, per layer and for K and V separately, a `TensorSpec`:
                     nearest centroid per token and quantizes the residual
     comp_rank       low-rank residual compensator: roles `comp_down` [H, D, r], `comp_up` [H, r, D]
 
+Keys only, optional: role `logit_bias` [H, D] (>= 0), the key-noise logit correction (per-channel
+key-error variance in the code basis, times the fitted strength; quant/logit_noise.py).
+
 and a token policy: `sink_frames` frames at `sink_bits`, the newest `recent_frames` frames at
 `recent_bits`, every `keyframe_interval`-th frame at `keyframe_bits` (0 = none).
 """
@@ -292,6 +295,8 @@ def validate(recipe: Recipe, where: str) -> None:
         spec = getattr(s.layers[int(parts[1])], parts[2])
         if parts[3] not in expected_shapes(spec, H, D) and parts[3] not in ("clip", "logit_bias"):
             raise RecipeError(f"{where}: tensor '{name}' is not used by its spec (role '{parts[3]}' not required)")
+        if parts[3] == "logit_bias":
+            _check_logit_bias(recipe.tensors[name], name, parts[2], H, D, where)
     for i, layer in enumerate(s.layers):
         for kind in ("k", "v"):
             spec: TensorSpec = getattr(layer, kind)
@@ -341,6 +346,16 @@ def validate(recipe: Recipe, where: str) -> None:
     for name in ("sink_bits", "recent_bits", "keyframe_bits"):
         if getattr(s.policy, name) not in ALLOWED_BITS:
             raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
+
+
+def _check_logit_bias(t: torch.Tensor, name: str, kind: str, H: int, D: int, where: str) -> None:
+    """The key-noise logit correction: keys only, [H, D] per-channel variances (finite, >= 0)."""
+    if kind != "k":
+        raise RecipeError(f"{where}: tensor '{name}': role 'logit_bias' applies to keys only")
+    if tuple(t.shape) != (H, D):
+        raise RecipeError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {[H, D]}")
+    if not t.is_floating_point() or not torch.isfinite(t).all() or (t < 0).any():
+        raise RecipeError(f"{where}: tensor '{name}' must be finite float values >= 0 (key-error variances)")
 
 
 def uniform_scheme(name: str, num_layers: int, k: TensorSpec, v: TensorSpec, policy: TokenPolicy, notes: str = "") -> Scheme:

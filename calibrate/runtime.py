@@ -13,6 +13,22 @@ at the precision of their token class and stay there until evicted:
 The frame being generated attends to its own K/V in full precision (they were just computed);
 only what is *stored* for later frames is quantized, as in a real streaming runtime.
 
+Key frames, not a periodic rebuild. The alternative to designated key frames would be to
+rebuild the window's K/V at high precision every N frames from the generated frames: that is
+a re-forward of the whole window (window/N extra frame forwards per generated frame: at N = 16
+and a 16-frame window, twice the compute), the runtime would have to keep the generated frames
+and call the model (it only sees K/V through the cache seam), and the rebuilt K/V are still
+quantized once they are stored again unless the whole window is kept at high precision. The
+newest frames are already available at high precision for free through the float16 recent
+window (`recent_frames`). Key frames cost no compute, only the bytes of the frames they
+upgrade, which the byte prediction counts and the fitter prices against every other upgrade
+(fit/search.py).
+
+Key-noise logit correction (role `logit_bias` of K, quant/logit_noise.py): when the queries
+of a frame attend to the history, the logits of keys held at the spec's own bits (per head)
+get minus their expected noise inflation added; the fresh own frame and frames held at other
+widths (float16 recent frames, sink and key frames) are left as they are.
+
 `nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` computes the
 same from the recipe alone, and the two agree at steady state. This module imports only the
 seam, the recipe format and the codec: a runtime can ship without the compiler.
@@ -25,16 +41,22 @@ from torch import Tensor
 
 from calibrate.cache import KVCache, Rope, kept_frames, softmax_attention
 from calibrate.codec import HeadParams, decode, encode, head_params, predicted_nbytes, stored_nbytes
+from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec, TokenPolicy
 
 KINDS = ("k", "v")
+
+
+def is_keyframe(policy: TokenPolicy, index: int) -> bool:
+    """Frame `index` is a key frame: every `keyframe_interval`-th frame from 0 (0 = no key frames)."""
+    return policy.keyframe_interval > 0 and index % policy.keyframe_interval == 0
 
 
 def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> int:
     """Bits frame `index` of one head is stored at once it leaves the recent window."""
     if index < policy.sink_frames:
         return policy.sink_bits
-    if policy.keyframe_interval and index % policy.keyframe_interval == 0:
+    if is_keyframe(policy, index):
         return policy.keyframe_bits
     return spec.bits_of(head)
 
@@ -42,6 +64,9 @@ def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> 
 class QuantizedKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
         super().__init__(recipe.model.num_layers, window, sink_frames)
+        if recipe.scheme.policy.keyframe_interval < 0:
+            raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
+                             f"got {recipe.scheme.policy.keyframe_interval}")
         self.recipe = recipe
         self.policy = recipe.scheme.policy
         self.head_dim = recipe.model.head_dim
@@ -90,6 +115,12 @@ class QuantizedKVCache(KVCache):
         return {"bits": "final", **{kind: self._encode(layer, x, kind, lambda h, kind=kind: self.final_bits(layer, kind, h, index))
                                     for kind, x in zip(KINDS, (k_BHTD, v_BHTD))}}
 
+    def stored_bits(self, layer: int, kind: str, head: int, index: int) -> int:
+        """Bits frame `index` of one head is held at now (recent window or its final class)."""
+        if self._frames[layer][index]["bits"] == "recent":
+            return self.policy.recent_bits
+        return self.final_bits(layer, kind, head, index)
+
     def _load(self, layer: int, index: int, stored: dict) -> tuple[Tensor, Tensor]:
         out = []
         for kind in KINDS:
@@ -111,18 +142,41 @@ class QuantizedKVCache(KVCache):
 
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
         self.append(layer, k_BHTD, v_BHTD, key_rope)
-        return softmax_attention(q_BHTD, *self.gather(layer, key_rope.apply(k_BHTD), v_BHTD))
+        k_BHND, v_BHND = self.gather(layer, key_rope.apply(k_BHTD), v_BHTD)
+        return softmax_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD))
+
+    def history(self, layer: int) -> list[int]:
+        """Frames the newest frame attends to besides itself, oldest first (the order of `gather`)."""
+        newest = self._num_appended[layer] - 1
+        return [f for f in self.frame_indices(layer) if f != newest]
 
     def gather(self, layer: int, k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
         """Keys/values the newest frame attends to: decoded history + its own fresh (post-rotary) K/V."""
-        newest = self._num_appended[layer] - 1
         ks, vs = [], []
-        for f in self.frame_indices(layer):
-            if f != newest:
-                k, v = self._load(layer, f, self._frames[layer][f])
-                ks.append(k)
-                vs.append(v)
+        for f in self.history(layer):
+            k, v = self._load(layer, f, self._frames[layer][f])
+            ks.append(k)
+            vs.append(v)
         return torch.cat(ks + [k_new_BHTD], dim=2), torch.cat(vs + [v_new_BHTD], dim=2)
+
+    def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
+        """Additive logits [B, H, T, N] for the keys of `frames` (default: `history`) followed by
+        the T fresh keys of the newest frame: minus the expected key-noise inflation
+        (quant/logit_noise.py) on the tokens of frames held at the spec's own bits for the head,
+        0 elsewhere. None when the recipe has no correction for this layer."""
+        var_HD = self._recipe_on_device.tensor(layer, "k", "logit_bias")
+        if var_HD is None:
+            return None
+        frames = self.history(layer) if frames is None else frames
+        spec = self.spec(layer, "k")
+        B, H, T, _ = q_BHTD.shape
+        # heads x frames: which history frames are held at the head's own (quantized) bits
+        corrected_HF = torch.tensor(
+            [[self.stored_bits(layer, "k", h, f) == spec.bits_of(h) < 16 for f in frames] for h in range(H)],
+            dtype=q_BHTD.dtype, device=q_BHTD.device).reshape(H, len(frames))
+        mask_HN = torch.cat([corrected_HF.repeat_interleave(T, dim=1), corrected_HF.new_zeros(H, T)], dim=1)
+        c_BHT = logit_inflation(q_BHTD, var_HD, self._recipe_on_device.tensor(layer, "k", "rotation"))
+        return -c_BHT.unsqueeze(-1) * mask_HN[None, :, None, :]
 
     # ---- bytes -------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.cache import KVCache, Rope, attention_logits, softmax_attention
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
 
@@ -77,8 +77,7 @@ class ShadowCache(KVCache):
         self.append(layer, k_BHTD, v_BHTD, key_rope)
         k_all, v_all = self.read(layer)
         out = softmax_attention(q_BHTD, k_all, v_all)
-        scale = 1.0 / math.sqrt(q_BHTD.shape[-1])
-        logp_ref = (torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) * scale).log_softmax(-1)
+        logp_ref = attention_logits(q_BHTD, k_all).log_softmax(-1)
         T = q_BHTD.shape[2]
         top_ref = logp_ref.exp().unflatten(-1, (-1, T)).sum(-1).argmax(-1)
         rows = q_BHTD.shape[0] * q_BHTD.shape[1] * T
@@ -86,7 +85,8 @@ class ShadowCache(KVCache):
         for name, cache in self.shadows.items():
             cache.append(layer, k_BHTD, v_BHTD, key_rope)
             kq, vq = cache.gather(layer, k_new, v_BHTD)  # type: ignore[attr-defined]
-            logp_q = (torch.einsum("bhtd,bhnd->bhtn", q_BHTD, kq) * scale).log_softmax(-1)
+            # the logits the quantized cache's own attention uses (with its key-noise correction)
+            logp_q = attention_logits(q_BHTD, kq, cache.logit_bias(layer, q_BHTD)).log_softmax(-1)  # type: ignore[attr-defined]
             p_q = logp_q.exp()
             o_q = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
             err = o_q - out

@@ -8,6 +8,7 @@ codebook reconstructions. `tests/test_reader.py` holds it to `calibrate`'s own l
     metadata, tensors = read_recipe("recipe.safetensors")
     spec = metadata["scheme"]["layers"][0]["k"]          # a TensorSpec as a dict
     scale = tensors["layers.0.k.scale"]                   # [H, D] float32 (static per-channel)
+    var = tensors.get("layers.0.k.logit_bias")             # [H, D] or None: key-noise logit correction
 """
 
 import json
@@ -120,3 +121,16 @@ def dequantize_codebook(codes, levels, scale, zero=None, group_size=None):
         return x if zero is None else x + np.asarray(zero, dtype=np.float32)
     g, s = _per_group(vals, scale, group_size)
     return (g * s).reshape(codes.shape)
+
+
+def logit_correction(q, logit_bias, rotation=None):
+    """Amount to subtract from the logits of one head's keys held at the spec's own bits.
+
+    q [..., D] (post-rotary queries of that head), logit_bias [D] (role `logit_bias`[h]),
+    rotation [D, D] (role `rotation`[h]) or None: c = sum_c ((q @ R)_c)^2 * logit_bias_c / (2 D),
+    one value per query token [...], the same for every corrected key (FORMAT.md).
+    """
+    q = np.asarray(q, dtype=np.float32)
+    if rotation is not None:
+        q = q @ np.asarray(rotation, dtype=np.float32)
+    return (q * q) @ np.asarray(logit_bias, dtype=np.float32) / (2 * q.shape[-1])

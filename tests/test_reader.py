@@ -193,3 +193,19 @@ def test_unpack_matches_calibrate_packing(bits):
 
     codes = torch.randint(0, 2**bits, (3, 5, 21), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
     assert np.array_equal(reader.unpack(pack(codes, bits).numpy(), bits, 21), codes.numpy())
+
+
+def test_logit_correction_matches_the_runtimes():
+    from calibrate.quant.logit_noise import logit_inflation
+    from calibrate.quant.rotation import random_hadamard
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 5, 16, generator=g)
+    var = torch.rand(3, 16, generator=g)
+    R = torch.stack([random_hadamard(16, seed=h) for h in range(3)])
+    want = logit_inflation(q, var, R)
+    for h in range(3):
+        got = reader.logit_correction(q[:, h].numpy(), var[h].numpy(), R[h].numpy())
+        np.testing.assert_allclose(got, want[:, h].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(reader.logit_correction(q[:, 0].numpy(), var[0].numpy()),
+                               logit_inflation(q, var)[:, 0].numpy(), rtol=1e-5, atol=1e-6)

@@ -121,6 +121,36 @@ def test_same_inputs_give_identical_bytes(tmp_path):
         assert len({p.read_bytes() for p in paths}) == 1, name
 
 
+def test_logit_bias_round_trips_byte_identically(tmp_path):
+    recipe = toy_recipe()
+    recipe.tensors["layers.1.k.logit_bias"] = torch.linspace(0, 1, 16).reshape(2, 8)
+    paths = [tmp_path / f"r{i}.safetensors" for i in range(2)]
+    save_recipe(recipe, paths[0])
+    save_recipe(load_recipe(paths[0]), paths[1])
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert torch.equal(load_recipe(paths[1]).tensors["layers.1.k.logit_bias"], recipe.tensors["layers.1.k.logit_bias"])
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("layers.0.k.logit_bias", torch.ones(2, 7), ["shape", "[2, 7]", "[2, 8]"]),
+    ("layers.0.k.logit_bias", torch.ones(8), ["shape", "[8]", "[2, 8]"]),
+    ("layers.0.v.logit_bias", torch.ones(2, 8), ["keys only"]),
+    ("layers.0.k.logit_bias", -torch.ones(2, 8), [">= 0"]),
+    ("layers.0.k.logit_bias", torch.full((2, 8), float("nan")), [">= 0"]),
+])
+def test_bad_logit_bias_is_rejected(recipe_path, name, value, words):
+    edit_tensors(recipe_path, lambda t: {**t, name: value})
+    assert_rejected(recipe_path, f"'{name}'", *words)
+
+
+def test_negative_keyframe_interval_is_rejected(recipe_path):
+    header, _ = read_raw(recipe_path)
+    scheme = json.loads(header["__metadata__"]["scheme"])
+    scheme["policy"]["keyframe_interval"] = -4
+    edit_metadata(recipe_path, scheme=json.dumps(scheme))
+    assert_rejected(recipe_path, "scheme.policy.keyframe_interval", ">= 0")
+
+
 def test_loaded_baseline_matches_its_builder(tmp_path):
     path = tmp_path / "kivi2.safetensors"
     built = build_baseline("kivi2", INFO)
