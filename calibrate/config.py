@@ -65,7 +65,10 @@ class FitConfig:
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
     trace_frames: int = 48  # whole frames of the first calibration batch replayed by the objective
     trace_trajectories: int = 4  # trajectories of that batch the objective replays
-    comp_rank: int = 0  # low-rank residual compensator rank (0 = off)
+    comp_rank: int = 0  # low-rank residual compensator rank (0 = off; at most the model's head_dim)
+    logit_correction: bool = False  # fit the key-noise logit correction (per-head strength on the objective)
+    keyframes: bool = False  # let the allocator offer key frames (every N-th frame at 4 or 8 bits)
+    keyframe_intervals: list[int] = field(default_factory=lambda: [4, 8, 16])  # candidate N (frames, >= 1)
 
 
 @dataclass
@@ -149,6 +152,11 @@ def validate(cfg: Config) -> None:
     _positive("fit.trace_trajectories", f.trace_trajectories)
     _positive("fit.outlier_channels", f.outlier_channels, allow_zero=True)
     _positive("fit.comp_rank", f.comp_rank, allow_zero=True)
+    if any(n < 1 for n in f.keyframe_intervals):
+        raise ValueError(f"config: fit.keyframe_intervals must be >= 1 frame each (a key frame every N frames), "
+                         f"got {f.keyframe_intervals}")
+    if f.keyframes and not f.keyframe_intervals:
+        raise ValueError("config: fit.keyframes=true needs a non-empty fit.keyframe_intervals")
     if not 0 <= f.sparse_fraction < 0.5:
         raise ValueError(f"config: fit.sparse_fraction must lie in [0, 0.5), got {f.sparse_fraction}")
     if not f.clip_grid or any(not 0 < c <= 1 for c in f.clip_grid):

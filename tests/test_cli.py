@@ -145,6 +145,14 @@ def files(tiny, tmp_path_factory):
     other = json.loads(meta["model"])
     other["fingerprint"] = "0123456789abcdef"
     variant("other_model", {"model": json.dumps(other)})
+    with_comp = json.loads(meta["scheme"])
+    with_comp["layers"][0]["k"]["comp_rank"] = 2
+    variant("comp_wrong_shape", {"scheme": json.dumps(with_comp)},
+            {"layers.0.k.comp_down": torch.zeros(H, D, 3), "layers.0.k.comp_up": torch.zeros(H, 2, D)})
+    variant("logit_bias_wrong_shape", tensor_patch={"layers.0.k.logit_bias": torch.zeros(H, D - 1)})
+    negative_keyframes = json.loads(meta["scheme"])
+    negative_keyframes["policy"]["keyframe_interval"] = -1
+    variant("keyframe_interval_negative", {"scheme": json.dumps(negative_keyframes)})
 
     trajs = make_trajectories(["orbit"], "calibration", 1, 8)
     tgood = d / "trajs.safetensors"
@@ -192,6 +200,12 @@ CASES = [
     Case("recipe-not-orthogonal", [*EVAL, "recipe={not_orthogonal}"], ["layers.0.k.rotation", "orthogonal"]),
     Case("recipe-unknown-role", [*EVAL, "recipe={unknown_role}"], ["layers.0.k.mystery", "role"]),
     Case("recipe-other-model", ["task=check", *TINY_MODEL, "recipe={other_model}"], ["fingerprint", "recalibrate"]),
+    Case("recipe-compensator-shape", ["task=check", *TINY_MODEL, "recipe={comp_wrong_shape}"],
+         ["layers.0.k.comp_down", "shape", "[2, 64, 3]"]),
+    Case("recipe-logit-bias-shape", ["task=check", *TINY_MODEL, "recipe={logit_bias_wrong_shape}"],
+         ["layers.0.k.logit_bias", "shape", "[2, 63]"], subprocess=True),
+    Case("recipe-keyframe-interval-negative", ["task=check", *TINY_MODEL, "recipe={keyframe_interval_negative}"],
+         ["policy.keyframe_interval", ">= 0"]),
     Case("recipe-missing-file", [*EVAL, "recipe={missing}"], ["does-not-exist.safetensors", "no such"]),
     Case("recipe-not-given", ["task=evaluate"], ["recipe=path"]),
     # trajectory files
@@ -219,6 +233,11 @@ CASES = [
                                  "fit.budget_bits=1.0", "fit.trace_frames=4", "fit.sample_tokens=64",
                                  "fit.clip_grid=[1.0]", "fit.rotations=[none]"], ["budget_bits", "1.0"]),
     Case("unknown-scheme", ["task=compare", *TINY_MODEL, "schemes=[fp16,nope]"], ["unknown scheme 'nope'"]),
+    Case("comp-rank-above-head-dim", ["task=calibrate", *TINY_MODEL, *QUICK, "trajectories.families=[orbit]",
+                                      "fit.comp_rank=65", "fit.trace_frames=4", "fit.sample_tokens=64",
+                                      "fit.clip_grid=[1.0]", "fit.rotations=[none]"], ["fit.comp_rank=65", "head_dim 64"]),
+    Case("keyframe-interval-zero", ["fit.keyframes=true", "fit.keyframe_intervals=[8,0]"],
+         ["fit.keyframe_intervals", "[8, 0]"]),
     # weights
     Case("weights-missing", ["task=stats", "model.weights={missing}"], ["does-not-exist.safetensors", "not found"]),
     Case("weights-corrupt", ["task=stats", "model.weights={weights_corrupt}"], ["weights_corrupt.safetensors", "not a readable"],

@@ -139,9 +139,11 @@ def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, othe
 
 
 def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None,
-              sparse_fraction: float = 0.0, comp: tuple[Tensor, Tensor] | None = None) -> tuple[TensorSpec, dict[str, Tensor]]:
+              sparse_fraction: float = 0.0, comp: tuple[Tensor, Tensor] | None = None,
+              logit_var: Tensor | None = None) -> tuple[TensorSpec, dict[str, Tensor]]:
     """The choice with per-head bits (static ranges recomputed per width), outlier channels,
-    dense-and-sparse outliers and a low-rank compensator (down [H, D, r], up [H, r, D])."""
+    dense-and-sparse outliers, a low-rank compensator (down [H, D, r], up [H, r, D]) and the
+    key-noise logit correction (role `logit_bias` [H, D], keys only)."""
     spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None,
                    sparse_fraction=sparse_fraction, comp_rank=0 if comp is None else comp[0].shape[-1])
     tensors = dict(choice.tensors)
@@ -156,13 +158,21 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
         tensors["outlier_channels"] = outliers
     if comp is not None:
         tensors["comp_down"], tensors["comp_up"] = comp
+    if logit_var is not None:
+        tensors["logit_bias"] = logit_var
     return spec, tensors
 
 
 def bits_per_element(recipe: Recipe, window: int, sink_frames: int) -> float:
-    """Average stored bits per cached K/V element at steady state (every per-frame byte counted)."""
-    n = window + sink_frames + 32
-    return 16.0 * predicted_cache_bytes(recipe, n, window, sink_frames) / fp16_cache_bytes(recipe, n, window, sink_frames)
+    """Average stored bits per cached K/V element at steady state (every per-frame byte counted).
+
+    With key frames the kept window holds more or fewer of them as it slides; the figure is the
+    largest over one key-frame interval, so the cache never holds more than the budget.
+    """
+    n0 = window + sink_frames + 32
+    fp16 = fp16_cache_bytes(recipe, n0, window, sink_frames)
+    phases = max(recipe.scheme.policy.keyframe_interval, 1)
+    return max(16.0 * predicted_cache_bytes(recipe, n, window, sink_frames) / fp16 for n in range(n0, n0 + phases))
 
 
 __all__ = ["Choice", "fit_tensor", "with_bits", "bits_per_element", "fake_quant_heads", "outlier_channels"]

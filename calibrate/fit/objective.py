@@ -58,34 +58,46 @@ def _flat(x: Tensor | None) -> Tensor | None:
 
 def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Tensor | None = None,
                       recent: tuple[int, Tensor | None, Tensor | None] | None = None,
-                      sink: tuple[int, Tensor | None, Tensor | None] | None = None) -> Tensor:
+                      sink: tuple[int, Tensor | None, Tensor | None] | None = None,
+                      keyframe: tuple[int, Tensor | None, Tensor | None] | None = None,
+                      shift: dict[str, Tensor] | None = None) -> Tensor:
     """Outputs [B, H, F, T, D] of every frame's queries over the kept history as the runtime stores it.
 
     Each (query frame f, key frame j) pair reads K/V in one precision class, in this priority
-    (the runtime's): j == f -> the fresh fp K/V; f - j <= r -> `recent` = (r, k_r, v_r);
-    j < s -> `sink` = (s, k_s, v_s); otherwise (k_hat, v_hat). A None tensor means fp.
+    (the runtime's): j == f -> the fresh fp K/V; f - j <= r -> "recent" = (r, k_r, v_r);
+    j < s -> "sink" = (s, k_s, v_s); j % N == 0 -> "keyframe" = (N, k_n, v_n); otherwise
+    "other" = (k_hat, v_hat). A None tensor means fp. Frame j of the trace is frame j of the
+    rollout. `shift` = {class name: c [B, H, F, T]} subtracts c (per query token) from the
+    logits of that class's keys: the key-noise logit correction as the runtime applies it.
     """
     B, H, F, T, D = trace.q.shape
     q, k, v = _flat(trace.q), _flat(trace.k), _flat(trace.v)
     visible, own = trace.masks()
-    classes = [(own, k, v)]
+    j = torch.arange(F).repeat_interleave(T).unsqueeze(0).expand(F * T, -1)  # key frame of each column
+    classes = [("own", own, k, v)]
     taken = own.clone()
     if recent is not None and recent[0] > 0:
         m = block_mask(F, T, recent[0] + 1, 0) & ~taken
-        classes.append((m, _flat(recent[1]), _flat(recent[2])))
+        classes.append(("recent", m, _flat(recent[1]), _flat(recent[2])))
         taken |= m
     if sink is not None and sink[0] > 0:
-        j = torch.arange(F).repeat_interleave(T)
-        m = (j < sink[0]).unsqueeze(0).expand(F * T, -1) & ~taken
-        classes.append((m, _flat(sink[1]), _flat(sink[2])))
+        m = (j < sink[0]) & ~taken
+        classes.append(("sink", m, _flat(sink[1]), _flat(sink[2])))
         taken |= m
-    classes.append((~taken, _flat(k_hat), _flat(v_hat)))
+    if keyframe is not None and keyframe[0] > 0:
+        m = (j % keyframe[0] == 0) & ~taken
+        classes.append(("keyframe", m, _flat(keyframe[1]), _flat(keyframe[2])))
+        taken |= m
+    classes.append(("other", ~taken, _flat(k_hat), _flat(v_hat)))
     scale = 1.0 / math.sqrt(D)
     logits = torch.zeros(B, H, F * T, F * T, dtype=q.dtype)
-    for mask, kc, _ in classes:
-        logits = torch.where(mask, torch.einsum("bhnd,bhmd->bhnm", q, k if kc is None else kc) * scale, logits)
+    for name, mask, kc, _ in classes:
+        class_logits = torch.einsum("bhnd,bhmd->bhnm", q, k if kc is None else kc) * scale
+        if shift is not None and name in shift:
+            class_logits = class_logits - shift[name].reshape(B, H, F * T, 1)
+        logits = torch.where(mask, class_logits, logits)
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
-    out = sum((probs * mask) @ (v if vc is None else vc) for mask, _, vc in classes)
+    out = sum((probs * mask) @ (v if vc is None else vc) for _, mask, _, vc in classes)
     return out.reshape(B, H, F, T, D)
 
 

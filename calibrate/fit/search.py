@@ -12,16 +12,23 @@
      kept in float16 (with their index), so ranges fit the bulk of the values;
    - one more *recent* frame in float16 (the token policy: attention mass concentrates on the
      newest frames, so their precision is worth more than that of old ones; priced over all
-     layers at once).
+     layers at once);
+   - key frames (`fit.keyframes`): every N-th frame (N from `fit.keyframe_intervals`) at 4 or
+     8 bits, priced over all layers; their bytes are per-frame bytes like any other upgrade's
+     (the budget counts the worst phase of the sliding window, fitters.bits_per_element). Why
+     key frames rather than a periodic high-precision rebuild: see runtime.py.
    Heads are independent in the objective, so one pass per (layer, tensor, step) prices the
    upgrade of every head at once. The objective always models the token policy exactly as
    the runtime applies it (objective.attention_outputs).
+4. Optional, on the final bits: the low-rank compensator (`fit.comp_rank`, compensate.py), then
+   the key-noise logit correction (`fit.logit_correction`, logit_correction.py); each is kept
+   only where it lowers the objective. Both are static recipe tensors (no per-frame bytes).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -31,6 +38,7 @@ from calibrate.codec import fake_quant
 from calibrate.fit.compensate import fit_compensator
 from calibrate.fit.fitters import (Choice, bits_per_element, fake_quant_heads, fit_tensor, outlier_channels, params_of,
                                    with_bits)
+from calibrate.fit.logit_correction import fit_logit_correction, logit_shift
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TokenPolicy
 from calibrate.stats import KVStats
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 
 NEXT_BITS = {2: 3, 3: 4, 4: 8}
 MAX_RECENT_FRAMES = 4
+KEYFRAME_BITS = (4, 8)
 
 
 class BudgetError(ValueError):
@@ -53,10 +62,12 @@ class TensorState:
     head_bits: list[int]
     outliers: torch.Tensor | None = None
     sparse: float = 0.0
-    comp: tuple[torch.Tensor, torch.Tensor] | None = None  # low-rank compensator, fitted last
+    comp: tuple[torch.Tensor, torch.Tensor] | None = None  # low-rank compensator, fitted after the bits
+    logit_var: torch.Tensor | None = None  # keys: logit correction [H, D] (alpha * sigma^2), fitted last
 
     def spec_tensors(self):
-        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers, self.sparse, self.comp)
+        return with_bits(self.choice, self.sample_HND, self.head_bits, self.outliers, self.sparse, self.comp,
+                         self.logit_var)
 
     def knobs(self) -> tuple:
         return self.head_bits, self.outliers, self.sparse
@@ -73,22 +84,29 @@ class TensorState:
         return fake_quant_heads(x, spec, tensors, [bits] * len(st.head_bits) if bits else st.head_bits)
 
 
+def policy_classes(policy: TokenPolicy) -> dict[str, tuple[int, int]]:
+    """The token policy's precision classes in use: name -> (count or interval, bits)."""
+    classes = {"recent": (policy.recent_frames, policy.recent_bits), "sink": (policy.sink_frames, policy.sink_bits),
+               "keyframe": (policy.keyframe_interval, policy.keyframe_bits)}
+    return {name: c for name, c in classes.items() if c[0] > 0}
+
+
 def layer_scores(trace: LayerTrace, reference, st: dict, policy: TokenPolicy, lam: float, override=None) -> list[float]:
     """Per-head objective of one layer; `override` = (kind, knobs) to price an upgrade."""
+    classes = policy_classes(policy)
     hats = {}
     for kind in ("k", "v"):
         x = trace.k if kind == "k" else trace.v
         s = st[kind]
         knobs = override[1] if override and override[0] == kind else None
-        hats[kind] = (
-            s.hat(x, knobs=knobs),
-            s.hat(x, bits=policy.recent_bits, knobs=knobs) if policy.recent_frames else None,
-            s.hat(x, bits=policy.sink_bits, knobs=knobs) if policy.sink_frames else None,
-        )
+        hats[kind] = {"other": s.hat(x, knobs=knobs)}
+        hats[kind].update({name: s.hat(x, bits=bits, knobs=knobs) for name, (_, bits) in classes.items()})
+    k_bits = override[1][0] if override and override[0] == "k" else st["k"].head_bits
     out = attention_outputs(
-        trace, hats["k"][0], hats["v"][0],
-        recent=(policy.recent_frames, hats["k"][1], hats["v"][1]) if policy.recent_frames else None,
-        sink=(policy.sink_frames, hats["k"][2], hats["v"][2]) if policy.sink_frames else None,
+        trace, hats["k"]["other"], hats["v"]["other"],
+        **{name: (n, hats["k"][name], hats["v"][name]) for name, (n, _) in classes.items()},
+        shift=logit_shift(trace.q, st["k"].logit_var, st["k"].choice.tensors.get("rotation"), k_bits,
+                          {name: bits for name, (_, bits) in classes.items()}),
     )
     return head_scores(reference, out).objective(lam).tolist()
 
@@ -127,6 +145,7 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
                v_samples: torch.Tensor, cfg: FitConfig, window: int, sink_frames: int) -> tuple[Recipe, dict, Recipe]:
     """Fit the recipe; returns it, the fit record (choices, reasons, scores) for its metadata, and
     the recipe before mixed precision (every tensor at 2 bits, no upgrades: a closed-loop candidate)."""
+    check_fit_config(cfg, info)
     policy, anchor_note = detect_anchors(stats, cfg.anchors)
     lam = cfg.lambda_temporal
     H = info.num_kv_heads
@@ -154,11 +173,20 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
         policy, upgrades = _allocate(info, traces, refs, states, policy, cfg, window, sink_frames)
     record["upgrades"] = upgrades
     record["compensators"] = _compensate(traces, refs, states, policy, cfg) if cfg.comp_rank > 0 else []
-    record["policy"] = {"recent_frames": policy.recent_frames, "recent_bits": policy.recent_bits,
-                        "sink_frames": policy.sink_frames, "sink_bits": policy.sink_bits}
+    record["logit_correction"] = fit_logit_correction(
+        traces, [st["k"] for st in states],
+        lambda l: layer_scores(traces[l], refs[l], states[l], policy, cfg.lambda_temporal)) if cfg.logit_correction else []
+    record["policy"] = asdict(policy)
     recipe = assemble(info, states, policy)
     record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
     return recipe, record, base
+
+
+def check_fit_config(cfg: FitConfig, info: ModelInfo) -> None:
+    """What the fit config can only be checked against once the model is known."""
+    if cfg.comp_rank > info.head_dim:
+        raise ValueError(f"config: fit.comp_rank={cfg.comp_rank} is larger than the model's head_dim "
+                         f"{info.head_dim} (a rank-r compensator needs r <= head_dim)")
 
 
 def _compensate(traces, refs, states, policy, cfg: FitConfig) -> list[dict]:
@@ -224,18 +252,24 @@ def _set_tensor(layer, kind, knobs):
     return apply
 
 
-def _policy_candidates(policy: TokenPolicy) -> list[TokenPolicy]:
-    """Token-policy upgrade: one more recent frame kept in float16 (KIVI's full-precision residual).
+def _policy_candidates(policy: TokenPolicy, cfg: FitConfig) -> list[TokenPolicy]:
+    """Token-policy upgrades: one more recent frame kept in float16 (KIVI's full-precision
+    residual), and key frames (every N-th frame at 4 or 8 bits) if `fit.keyframes`.
 
     Recent frames are re-encoded at their final precision when they leave the window, from what
     was stored; at float16 that is (up to fp16 rounding) the original, which is what the
     objective models. Recent frames at 4 or 8 bits would be quantized twice (4-bit, then 2-bit
     from the 4-bit values): measured worse in closed loop than no recent window at all (31.4 vs
-    35.2 dB at a 3.25-bit budget), so they are not offered.
+    35.2 dB at a 3.25-bit budget), so they are not offered. Any other key-frame setting is a
+    candidate; the allocator takes it only if it costs bits and gains objective.
     """
-    if policy.recent_frames >= MAX_RECENT_FRAMES:
-        return []
-    return [replace(policy, recent_frames=policy.recent_frames + 1, recent_bits=16)]
+    out = []
+    if policy.recent_frames < MAX_RECENT_FRAMES:
+        out.append(replace(policy, recent_frames=policy.recent_frames + 1, recent_bits=16))
+    if cfg.keyframes:
+        out += [replace(policy, keyframe_interval=n, keyframe_bits=b) for n in cfg.keyframe_intervals
+                for b in KEYFRAME_BITS if (n, b) != (policy.keyframe_interval, policy.keyframe_bits)]
+    return out
 
 
 def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_frames):
@@ -252,15 +286,16 @@ def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_f
         current = bits_of(policy)
         best = None
         policy_opts = []
-        for cand in _policy_candidates(policy):
+        for cand in _policy_candidates(policy, cfg):
             gain = 0.0
             for l, t in enumerate(traces):
                 key = (l, *astuple(cand))
                 if key not in policy_scores:
                     policy_scores[key] = layer_scores(t, refs[l], states[l], cand, lam)
                 gain += sum(scores[l]) - sum(policy_scores[key])
-            policy_opts.append(({"recent_frames": cand.recent_frames, "recent_bits": cand.recent_bits}, gain,
-                                lambda states, policy, cand=cand: cand))
+            what = ("recent_frames", "recent_bits") if cand.recent_frames != policy.recent_frames else \
+                ("keyframe_interval", "keyframe_bits")
+            policy_opts.append(({k: getattr(cand, k) for k in what}, gain, lambda states, policy, cand=cand: cand))
         for what, gain, apply in [o for opts in options.values() for o in opts] + policy_opts:
             if gain <= 0:
                 continue
