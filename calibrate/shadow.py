@@ -85,8 +85,8 @@ class ShadowCache(KVCache):
         for name, cache in self.shadows.items():
             cache.append(layer, k_BHTD, v_BHTD, key_rope)
             kq, vq = cache.gather(layer, k_new, v_BHTD)  # type: ignore[attr-defined]
-            # the logits the quantized cache's own attention uses (with its key-noise correction)
-            logp_q = attention_logits(q_BHTD, kq, cache.logit_bias(layer, q_BHTD)).log_softmax(-1)  # type: ignore[attr-defined]
+            bias = cache.logit_bias(layer, q_BHTD)  # type: ignore[attr-defined]  # its key-noise correction
+            logp_q = attention_logits(q_BHTD, kq, bias).log_softmax(-1)
             p_q = logp_q.exp()
             o_q = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
             err = o_q - out

@@ -173,9 +173,10 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
         policy, upgrades = _allocate(info, traces, refs, states, policy, cfg, window, sink_frames)
     record["upgrades"] = upgrades
     record["compensators"] = _compensate(traces, refs, states, policy, cfg) if cfg.comp_rank > 0 else []
-    record["logit_correction"] = fit_logit_correction(
-        traces, [st["k"] for st in states],
-        lambda l: layer_scores(traces[l], refs[l], states[l], policy, cfg.lambda_temporal)) if cfg.logit_correction else []
+    record["logit_correction"] = []
+    if cfg.logit_correction:
+        record["logit_correction"] = fit_logit_correction(
+            traces, [st["k"] for st in states], lambda l: layer_scores(traces[l], refs[l], states[l], policy, lam))
     record["policy"] = asdict(policy)
     recipe = assemble(info, states, policy)
     record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
