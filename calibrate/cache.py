@@ -56,6 +56,18 @@ def kept_frames(num_appended: int, window: int, sink_frames: int) -> list[int]:
     return sinks + list(range(recent_start, num_appended))
 
 
+def block_mask(num_steps: int, tokens_per_frame: int, window: int, sink_frames: int) -> Tensor:
+    """The token policy as a boolean [S*T, S*T] mask: step i sees step j iff the cache holds frame j.
+
+    After appending frame i the cache keeps frames j <= i with j > i - window or j < sink. An
+    uncached forward over S frames with this mask equals S cached steps (models test this).
+    """
+    i = torch.arange(num_steps).unsqueeze(1)
+    j = torch.arange(num_steps).unsqueeze(0)
+    visible_SS = (j <= i) & ((j > i - window) | (j < sink_frames))
+    return visible_SS.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
+
+
 def attention_logits(q_BHTD: Tensor, k_BHND: Tensor, bias_BHTN: Tensor | None = None) -> Tensor:
     """Scaled dot-product logits q.k / sqrt(D), plus an additive bias if given."""
     logits_BHTN = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_BHND) * (1.0 / math.sqrt(q_BHTD.shape[-1]))
@@ -97,6 +109,24 @@ class KVCache:
         k_BHND, v_BHND = self.read(layer)
         return softmax_attention(q_BHTD, k_BHND, v_BHND)
 
+    def attend_uncommitted(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        """Attend as `attend` would, but store nothing (the denoising passes of a diffusion model).
+
+        `q` sees exactly the frames `attend` would let it see (those kept once this frame is
+        appended) plus its own fresh K/V, with the same logit bias; the cache is left unchanged.
+        """
+        new = self._num_appended[layer]
+        visible = [f for f in kept_frames(new + 1, self.window, self.sink_frames) if f != new]
+        k_BHND, v_BHND = key_rope.apply(k_BHTD), v_BHTD
+        if visible:
+            k_old, v_old = self.read(layer, visible)
+            k_BHND, v_BHND = torch.cat((k_old, k_BHND), dim=2), torch.cat((v_old, v_BHND), dim=2)
+        return softmax_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD, visible))
+
+    def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
+        """Additive attention logits for `frames` then the fresh frame (None: full precision, none)."""
+        return None
+
     def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
         """Store one frame's keys (pre-rotary) and values; returns the frame's index."""
         index = self._num_appended[layer]
@@ -107,9 +137,10 @@ class KVCache:
             del self._frames[layer][old]
         return index
 
-    def read(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Post-rotary keys and values of the kept frames, oldest first: (k_BHND, v_BHND)."""
-        loaded = [self._load(layer, f, self._frames[layer][f]) for f in self.frame_indices(layer)]
+    def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """Post-rotary keys and values of the kept frames (or of `frames`), oldest first: (k_BHND, v_BHND)."""
+        frames = self.frame_indices(layer) if frames is None else frames
+        loaded = [self._load(layer, f, self._frames[layer][f]) for f in frames]
         return torch.cat([k for k, _ in loaded], dim=2), torch.cat([v for _, v in loaded], dim=2)
 
     def frame_indices(self, layer: int = 0) -> list[int]:

@@ -70,3 +70,41 @@ def test_bad_window_rejected():
         KVCache(num_layers=1, window=0)
     with pytest.raises(ValueError, match="sink_frames"):
         KVCache(num_layers=1, window=4, sink_frames=-1)
+
+
+# ---- attend_uncommitted: what a denoising pass sees, with nothing stored ----------------------
+def _frames(n: int, B=2, H=2, T=4, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g),
+             torch.randn(B, H, T, D, generator=g), Rope(torch.randn(B, T, D // 2, generator=g))) for _ in range(n)]
+
+
+def _uncommitted_equals_commit(make_cache):
+    """attend_uncommitted == what attend would return, and the cache is left exactly as it was."""
+    frames = _frames(7)
+    for n in range(1, 7):
+        cache = make_cache()
+        for q, k, v, rope in frames[:n]:
+            cache.attend(0, q, k, v, rope)
+        q, k, v, rope = frames[n]
+        before = cache.num_frames_seen, cache.frame_indices(0), cache.nbytes()
+        peek = cache.attend_uncommitted(0, q, k, v, rope)
+        assert (cache.num_frames_seen, cache.frame_indices(0), cache.nbytes()) == before
+        torch.testing.assert_close(peek, cache.attend(0, q, k, v, rope), atol=1e-6, rtol=0)
+
+
+def test_attend_uncommitted_full_precision():
+    _uncommitted_equals_commit(lambda: KVCache(1, window=3, sink_frames=1))
+
+
+def test_attend_uncommitted_quantized_with_logit_correction():
+    from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
+    from calibrate.runtime import QuantizedKVCache
+
+    info = ModelInfo("toy", num_layers=1, num_kv_heads=2, head_dim=16, tokens_per_frame=4, fingerprint="toy")
+    spec = TensorSpec(bits=2, group_size=8)
+    # no recent fp16 window: the frame a commit would push out of it is then stored the same either way
+    policy = TokenPolicy(sink_frames=1, sink_bits=8, recent_frames=0)
+    var = torch.rand(2, 16, generator=torch.Generator().manual_seed(1))
+    recipe = Recipe(info, uniform_scheme("toy", 1, spec, spec, policy), {"layers.0.k.logit_bias": var})
+    _uncommitted_equals_commit(lambda: QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1))

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.cache import KVCache, Rope, block_mask, softmax_attention
 from calibrate.world.render import column_bearings
 
 
@@ -75,17 +75,6 @@ class TinyWorldConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def block_mask(num_steps: int, tokens_per_frame: int, window: int, sink_frames: int) -> Tensor:
-    """Boolean [S*T, S*T] mask: step i sees step j iff the cache would still hold frame j.
-
-    After appending frame i the cache keeps frames j <= i with j > i - window or j < sink.
-    """
-    i = torch.arange(num_steps).unsqueeze(1)
-    j = torch.arange(num_steps).unsqueeze(0)
-    visible_SS = (j <= i) & ((j > i - window) | (j < sink_frames))
-    return visible_SS.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
 
 
 class PoseRotary(nn.Module):
