@@ -18,6 +18,7 @@ from calibrate.world.train import TrainConfig
 from calibrate.world.trajectories import FAMILIES
 
 TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
+MODELS = ("tinyworld", "wan_diffusers")
 
 
 @dataclass
@@ -27,10 +28,24 @@ class CacheConfig:
 
 
 @dataclass
+class WanConfig:
+    """model=wan_diffusers: diffusers' WanTransformer3DModel rolled out chunk by chunk (adapters/wan_diffusers.py)."""
+
+    chunk_frames: int = 1  # latent frames per generated chunk = one cache frame (Self-Forcing: 3)
+    latent_height: int = 16  # latent grid (480x832 video with Wan's VAE: 60 x 104)
+    latent_width: int = 16
+    denoise_timesteps: list[int] = field(default_factory=lambda: [1000, 750, 500, 250])  # few-step sampler
+    shift: float = 5.0  # flow-matching timestep shift (sigma' = shift*s / (1 + (shift-1)*s))
+    text_embedding: str | None = None  # .safetensors with `text_embedding` [L, text_dim]; None = seeded random
+    dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
 class ModelConfig:
-    name: str = "tinyworld"
-    weights: str | None = None  # weights file; None = the shipped artifacts/models/tinyworld.safetensors
+    name: str = "tinyworld"  # tinyworld | wan_diffusers
+    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    wan: WanConfig = field(default_factory=WanConfig)
 
 
 @dataclass
@@ -128,7 +143,20 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: unknown task '{cfg.task}'; choose one of {', '.join(TASKS)}")
     if cfg.device != "auto" and cfg.device != "cpu" and not cfg.device.startswith("cuda"):
         raise ValueError(f"config: device must be auto, cpu or cuda[:N], got '{cfg.device}'")
+    if cfg.model.name not in MODELS:
+        raise ValueError(f"config: unknown model '{cfg.model.name}'; choose one of {', '.join(MODELS)}")
     _positive("model.cache.window", cfg.model.cache.window)
+    w = cfg.model.wan
+    _positive("model.wan.chunk_frames", w.chunk_frames)
+    _positive("model.wan.latent_height", w.latent_height)
+    _positive("model.wan.latent_width", w.latent_width)
+    if not w.denoise_timesteps or any(not 0 < t <= 1000 for t in w.denoise_timesteps):
+        raise ValueError(f"config: model.wan.denoise_timesteps must be a non-empty list in (0, 1000], got {w.denoise_timesteps}")
+    _positive("model.wan.shift", w.shift)
+    if w.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"config: model.wan.dtype must be float32 or bfloat16, got '{w.dtype}'")
+    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
+        raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide trajectories.num_frames={cfg.trajectories.num_frames}")
     _positive("model.cache.sink_frames", cfg.model.cache.sink_frames, allow_zero=True)
     t = cfg.trajectories
     if t.split not in ("auto", "train", "calibration", "evaluation"):

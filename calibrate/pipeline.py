@@ -26,15 +26,15 @@ from calibrate.evaluate.strips import write_strip
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
 from calibrate.fit.fitters import bits_per_element
 from calibrate.fit.objective import LayerTrace
-from calibrate.fit.search import fit_recipe
+from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.recipe import Recipe, load_recipe, save_recipe
 from calibrate.runtime import predicted_cache_bytes
 from calibrate.schemes import BASELINES, KVSample, build_baseline
-from calibrate.replay import Recorder, model_info, record
+from calibrate.adapters import WorldAdapter, as_world
+from calibrate.adapters import load_world as load_adapter
+from calibrate.replay import Recorder, World, model_info, record
 from calibrate.stats_report import plot_report, report
-from calibrate.world.model import TinyWorld
 from calibrate.world.trajectories import Trajectory, load_trajectories, make_trajectories
-from calibrate.world.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_world(cfg: Config, device: torch.device) -> TinyWorld:
-    if cfg.model.name != "tinyworld":
-        raise ValueError(f"config: unknown model '{cfg.model.name}' (available: tinyworld)")
-    model = load_weights(cfg.model.weights).to(device)
-    return model
+def load_world(cfg: Config, device: torch.device) -> WorldAdapter:
+    """The configured model behind its adapter (calibrate/adapters/)."""
+    return load_adapter(cfg.model, device)
 
 
 def trajectory_set(cfg: Config, split: str | None = None) -> list[Trajectory]:
@@ -85,7 +83,7 @@ def write_json(path: Path, obj) -> None:
 
 
 # ---- task=stats -----------------------------------------------------------------------------
-def collect(cfg: Config, model: TinyWorld, device: torch.device, trace_batches: int = 0, trace_frames: int = 0,
+def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace_frames: int = 0,
             state=None, checkpoint: Path | None = None) -> Recorder:
     """Replay the calibration trajectories (this process's shard) and reduce across processes.
 
@@ -151,13 +149,13 @@ def kv_sample(recorder: Recorder) -> KVSample:
     return KVSample(stack(recorder.k), stack(recorder.v))
 
 
-def calibration_sample(cfg: Config, model: TinyWorld, device: torch.device) -> KVSample:
+def calibration_sample(cfg: Config, model: World, device: torch.device) -> KVSample:
     """K/V samples from the calibration split (same trajectory settings, calibration seeds)."""
     calib_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="calibration", file=None))
     return kv_sample(collect(calib_cfg, model, device))
 
 
-def resolve_schemes(cfg: Config, names: list[str], model: TinyWorld, device: torch.device,
+def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.device,
                     sample: KVSample | None = None) -> dict[str, Recipe]:
     """Recipes for preset names (baselines, `ours` = the shipped recipe) or recipe paths.
 
@@ -180,7 +178,7 @@ def resolve_schemes(cfg: Config, names: list[str], model: TinyWorld, device: tor
 
 
 # ---- task=evaluate / task=compare ----------------------------------------------------------------
-def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], model: TinyWorld,
+def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], model: World,
                         device: torch.device, command: str) -> dict:
     trajs = trajectory_set(cfg)
     partial = out_dir / "partial"
@@ -189,7 +187,7 @@ def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], 
                     cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
-    images = write_figures(rep, runs, out_dir, cfg.eval.strips)
+    images = write_figures(rep, runs, out_dir, cfg.eval.strips, as_world(model).preview)
     write_json(out_dir / "report.json", rep)
     write_text_atomic(out_dir / "report.md", report_mod.markdown(rep, command, images))
     if cfg.eval.save_frames:
@@ -198,7 +196,7 @@ def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], 
     return rep
 
 
-def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool) -> dict[str, str]:
+def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool, preview=lambda frames: frames) -> dict[str, str]:
     schemes = rep["schemes"]
     images = {
         "PSNR vs the fp rollout per frame": plots.plot_psnr_curves(
@@ -213,7 +211,7 @@ def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool) -> dict[st
     if strips:
         for name, run in runs.items():
             if run.worst is not None:
-                path = write_strip(run.worst[1], run.worst[2], out_dir / f"strip_{name}.gif", max_frames=96)
+                path = write_strip(preview(run.worst[1]), preview(run.worst[2]), out_dir / f"strip_{name}.gif", max_frames=96)
                 images[f"Worst trajectory, {name} (reference | quantized | error x4)"] = path.name
     return images
 
@@ -227,7 +225,8 @@ def save_frames(path: Path, runs: dict) -> None:
             tensors[f"ground_truth.batch{b}"] = batch["ground_truth"]
             tensors[f"{name}.batch{b}.quantized"] = batch["quantized"]
     layout = ("reference.batch<i>, ground_truth.batch<i>, <scheme>.batch<i>.quantized: "
-              "[B, N, 3, H, W] float32 in [0, 1]")
+              "[B, N, C, H, W] float32 as the model makes them (TinyWorld: RGB in [0, 1]; Wan: latents); "
+              "without a renderer ground_truth is the fp rollout")
     write_bytes_atomic(path, safetensors_bytes({k: t.contiguous() for k, t in tensors.items()},
                                                {"format": "kv-eval-frames", "layout": layout}))
 
@@ -264,7 +263,7 @@ def layer_traces(recorder: Recorder, window: int, sink_frames: int, num_trajecto
             for layer in range(len(trace.q))]
 
 
-def closed_loop(cfg: Config, model: TinyWorld, candidates: dict[str, Recipe], device: torch.device) -> dict[str, dict]:
+def closed_loop(cfg: Config, model: World, candidates: dict[str, Recipe], device: torch.device) -> dict[str, dict]:
     """Real quantized rollouts of each candidate on calibration trajectories: psnr_ref and flicker."""
     t = cfg.trajectories
     trajs = make_trajectories(t.families, "calibration", max(cfg.fit.closed_loop_trajectories, 1),
@@ -280,16 +279,17 @@ def closed_loop(cfg: Config, model: TinyWorld, candidates: dict[str, Recipe], de
     return out
 
 
-def calibration_recording(cfg: Config, model: TinyWorld, device: torch.device) -> Recorder:
+def calibration_recording(cfg: Config, model: World, device: torch.device) -> Recorder:
     """Replay the calibration set with the fp model: statistics, token samples, traced frames."""
     return collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
 
 
-def fit(cfg: Config, model: TinyWorld, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
+def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
     """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
     info = model_info(model)
     trajs = trajectory_set(cfg)
+    check_fit_config(cfg.fit, info)  # before the replay, not after it
     recorder = recorder or calibration_recording(cfg, model, device)
     traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
     sample = kv_sample(recorder)
@@ -302,8 +302,9 @@ def fit(cfg: Config, model: TinyWorld, device: torch.device, recorder: Recorder 
     record["closed_loop"] = {"scores": scores, "chosen": chosen,
                              "why": "highest mean PSNR vs the fp rollout over real quantized rollouts (ties: lower flicker)"}
     recipe = candidates[chosen]
-    if chosen != "fitted":  # the closed loop preferred the recipe without mixed precision
-        record["upgrades_dropped"], record["upgrades"] = record["upgrades"], []
+    if chosen != "fitted":  # the closed loop preferred the base recipe: no mixed precision, no compensation
+        for key in ("upgrades", "compensators", "logit_correction"):
+            record[f"{key}_dropped"], record[key] = record.get(key, []), []
         record["bits_per_element"] = record["base_bits"]
         record["policy"] = asdict(recipe.scheme.policy)
     recipe.metadata.update(

@@ -19,23 +19,23 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from calibrate.adapters import WorldAdapter, as_world
 from calibrate.cache import KVCache, Rope, softmax_attention
 from calibrate.recipe import ModelInfo
 from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
-from calibrate.world.model import TinyWorld, model_fingerprint
+from calibrate.world.model import TinyWorld
 from calibrate.world.render import make_scene, render
-from calibrate.world.rollout import rollout
 from calibrate.world.trajectories import Trajectory
+
+World = TinyWorld | WorldAdapter  # a bare TinyWorld is taken as its adapter
 
 
 class NonFiniteError(ValueError):
     """K or V with NaN/Inf during replay (a broken model or weights file)."""
 
 
-def model_info(model: TinyWorld, name: str = "tinyworld") -> ModelInfo:
-    c = model.cfg
-    return ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_heads, head_dim=c.head_dim,
-                     tokens_per_frame=c.tokens_per_frame, fingerprint=model_fingerprint(model))
+def model_info(model: World) -> ModelInfo:
+    return as_world(model).info
 
 
 @dataclass
@@ -128,11 +128,6 @@ def ground_truth(trajs: list[Trajectory], device: torch.device) -> Tensor:
     return torch.stack([render(make_scene(t.seed), t.poses) for t in trajs]).to(device)
 
 
-def ground_truth_first(trajs: list[Trajectory], device: torch.device) -> Tensor:
-    """The first true frame of each trajectory, [B, 1, 3, H, W]."""
-    return torch.stack([render(make_scene(t.seed), t.poses[:1]) for t in trajs]).to(device)
-
-
 def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
     """Group trajectories of equal length into batches, order kept within a length."""
     by_len: dict[int, list[Trajectory]] = {}
@@ -141,25 +136,24 @@ def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
     return [group[i : i + batch_size] for group in by_len.values() for i in range(0, len(group), batch_size)]
 
 
-def rollout_batch(model: TinyWorld, trajs: list[Trajectory], cache: KVCache, device: torch.device,
-                  truth: Tensor | None = None, desc: str | None = None, keep_frames: bool = True) -> tuple[Tensor, Tensor]:
-    """Free rollout of a batch through `cache`: (generated frames, true frames), [B, N, 3, H, W].
+def rollout_batch(model: World, trajs: list[Trajectory], cache: KVCache, device: torch.device,
+                  truth: Tensor | None = None, desc: str | None = None,
+                  keep_frames: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Free rollout of a batch through `cache`: (generated frames, true frames or None), [B, N, C, H, W].
 
-    With `keep_frames=False` only the first true frame is rendered and only the last generated
-    frame returned, so memory does not grow with the rollout length (statistics replay).
+    With `keep_frames=False` only the last generated frame is returned and no ground truth is
+    made, so memory does not grow with the rollout length (statistics replay).
     """
-    if truth is None:
-        truth = ground_truth(trajs, device) if keep_frames else ground_truth_first(trajs, device)
-    poses = torch.stack([t.poses for t in trajs]).to(device)
-    actions = torch.stack([t.actions for t in trajs]).to(device)
-    bar = tqdm(total=poses.shape[1] - 1, desc=desc, leave=False, disable=desc is None)
-    frames = rollout(model, cache, truth[:, 0], poses, actions, on_frame=lambda t, f: bar.update(1),
-                     keep_frames=keep_frames)
+    world = as_world(model)
+    if truth is None and keep_frames:
+        truth = world.ground_truth(trajs, device)
+    bar = tqdm(total=trajs[0].num_frames, desc=desc, leave=False, disable=desc is None)
+    frames = world.rollout(trajs, cache, device, truth=truth, keep_frames=keep_frames, progress=bar.update)
     bar.close()
     return frames, truth
 
 
-def record(model: TinyWorld, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
+def record(model: World, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
            device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None,
            skip_batches: int = 0) -> Recorder:
     """Replay `trajs` with the fp model, recording into `recorder`; returns it.
@@ -168,15 +162,17 @@ def record(model: TinyWorld, trajs: list[Trajectory], recorder: Recorder, window
     runs after each batch (checkpointing). The reservoirs are reseeded at every batch start, so
     a run resumed from a checkpoint draws exactly what an uninterrupted one would.
     """
+    world = as_world(model)
+    layers = world.info.num_layers
     groups = batches(trajs, batch_size)
     for i, group in enumerate(tqdm(groups, desc="replay", unit="batch", initial=skip_batches, total=len(groups))):
         if i < skip_batches:
             continue
         for sample in (recorder.q, recorder.k, recorder.v):
             sample.reseed()
-        trace = Trace.empty(model.cfg.num_layers) if i < trace_batches and recorder.trace_frames else None
-        cache = RecordingCache(model.cfg.num_layers, window, sink_frames, recorder, trace)
-        rollout_batch(model, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
+        trace = Trace.empty(layers) if i < trace_batches and recorder.trace_frames else None
+        cache = RecordingCache(layers, window, sink_frames, recorder, trace)
+        rollout_batch(world, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
         if trace is not None:
             recorder.traces.append(trace)
         if on_batch is not None:

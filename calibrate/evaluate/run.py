@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
+from calibrate.adapters import as_world
 from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe
-from calibrate.replay import batches, ground_truth, rollout_batch
+from calibrate.replay import World, batches, rollout_batch
 from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
 from calibrate.shadow import ShadowCache
-from calibrate.world.model import TinyWorld
 from calibrate.world.trajectories import Trajectory, revisit_pairs
 
 SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")
@@ -97,28 +97,31 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
     return results, json.loads(meta["memory"]), json.loads(meta["attention"])
 
 
-def evaluate(model: TinyWorld, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
+def evaluate(model: World, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
              keep_frames: bool = False) -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`)."""
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
-    layers = model.cfg.num_layers
+    world = as_world(model)
+    layers = world.info.num_layers
     attn_sums = {name: None for name in recipes}
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
     for bi, group in enumerate(groups):
         todo = [n for n in recipes if not (partial_dir and (partial_dir / f"{n}.{bi}.safetensors").exists())]
-        truth = ground_truth(group, device)
+        truth = world.ground_truth(group, device)
         shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
         fp_cache = ShadowCache(layers, window, sink_frames, shadows)
-        ref, _ = rollout_batch(model, group, fp_cache, device, truth=truth)
+        ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
+        if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
+            truth = ref
         for name in recipes:
             path = partial_dir / f"{name}.{bi}.safetensors" if partial_dir else None
             if name not in todo:
                 results, memory, attn = _load_partial(path)
             else:
                 cache = QuantizedKVCache.from_recipe(recipes[name], window, sink_frames, device)
-                quant, _ = rollout_batch(model, group, cache, device, truth=truth)
+                quant, _ = rollout_batch(world, group, cache, device, truth=truth)
                 results = _traj_results(group, ref, quant, truth)
                 n = group[0].num_frames
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),

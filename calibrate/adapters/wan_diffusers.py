@@ -1,0 +1,267 @@
+"""diffusers' `WanTransformer3DModel` (the Wan-2.1 backbone of Self-Forcing, CausVid, LongLive,
+Rolling Forcing, Matrix-Game 2.0) rolled out autoregressively, chunk by chunk, through our KVCache.
+
+diffusers' Wan has no KV cache: its self-attention sees the whole clip at once. We attach the
+cache without forking any diffusers file, by giving every block's self-attention (`attn1`) a
+`CachedSelfAttention` processor (diffusers' attention-processor hook). The processor computes
+q, k, v with the block's own projections and q/k RMS norms, rotates q by Wan's 3D RoPE at the
+chunk's *absolute* positions (frame index offset by the chunk's first latent frame, so chunk c
+sees the same position code as in one uncached forward over the whole clip), and hands q, the
+pre-rotary k, v and the key rotation to the cache. Cross-attention (text) is untouched.
+
+One generation step = one chunk of `chunk_frames` latent frames = one *cache frame*:
+
+1. start from seeded noise, run the few-step flow-matching sampler of Self-Forcing/CausVid
+   (`denoise_timesteps`, shifted by `shift`): at each step the model predicts the flow
+   v = noise - x0, x0 = x_t - sigma * v, and the next step re-noises x0 with fresh noise. These
+   passes attend to the cache *without* writing to it (`attend_uncommitted`);
+2. run one clean pass of the generated x0 at timestep 0: its self-attention K/V are what the
+   cache stores (`attend`), and what every later chunk attends to (block-causal attention to
+   cached chunks, within the cache's window and sink frames).
+
+The equivalence test (tests/test_wan_adapter.py) checks that clean passes chunk by chunk equal
+one uncached diffusers forward over all chunks with the cache's block-causal mask.
+
+Conditioning is a fixed text-embedding tensor (no text encoder is downloaded): a .safetensors
+file with `text_embedding` [L, text_dim] (e.g. UMT5 output computed once offline), or, when
+none is given, a seeded random one. The first chunk is generated from noise alone (no image
+conditioning). Frames are latents; `preview` shows their first three channels.
+
+Weights: `model.weights` is a diffusers model directory (`config.json` and
+`diffusion_pytorch_model*.safetensors`, e.g. the `transformer/` folder of
+Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a causal fine-tune converted to that layout). With no
+weights, `TINY` builds a small random model (tests, CPU smoke runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from calibrate.adapters.base import AdapterError  # noqa: F401  (re-exported for callers)
+from calibrate.cache import KVCache, Rope
+from calibrate.config import WanConfig
+from calibrate.recipe import ModelInfo
+from calibrate.world.model import model_fingerprint
+from calibrate.world.trajectories import Trajectory
+
+# A small random Wan for tests and CPU runs: 2 layers x 2 heads x head_dim 64 (Wan's RoPE splits
+# head_dim into 24 time + 20 height + 20 width channels), 4 latent channels, patch (1, 2, 2).
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=1024)
+TINY_SEED = 0
+TEXT_TOKENS = 8  # length of the seeded random text embedding
+ROPE_THETA = 10000.0
+
+
+def _diffusers():
+    try:
+        import diffusers
+    except ImportError:
+        raise AdapterError('model=wan_diffusers needs diffusers: pip install -e ".[diffusers]"') from None
+    return diffusers
+
+
+# ---- Wan's 3D RoPE as our Rope ---------------------------------------------------------------
+def rope_angles(head_dim: int, frames: range, height: int, width: int, theta: float = ROPE_THETA) -> Tensor:
+    """Angles [F*H*W, head_dim/2] of Wan's RoPE for latent frames `frames` of an H x W token grid.
+
+    Wan splits head_dim into time, height and width parts (2*(head_dim//6) each for height and
+    width, the rest time) and rotates pair i by position * theta^(-2i/dim) of its part; pairs are
+    interleaved (2i, 2i+1), as `Rope` expects. Computed in float64 as diffusers does.
+    """
+    h_dim = w_dim = 2 * (head_dim // 6)
+    t_dim = head_dim - h_dim - w_dim
+
+    def part(positions: Tensor, dim: int) -> Tensor:
+        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64)[: dim // 2] / dim)
+        return torch.outer(positions.to(torch.float64), inv)
+
+    f, h, w = len(frames), height, width
+    at = part(torch.tensor(list(frames)), t_dim)[:, None, None].expand(f, h, w, -1)
+    ah = part(torch.arange(h), h_dim)[None, :, None].expand(f, h, w, -1)
+    aw = part(torch.arange(w), w_dim)[None, None, :].expand(f, h, w, -1)
+    return torch.cat((at, ah, aw), dim=-1).reshape(f * h * w, -1)
+
+
+# ---- the cache hook ----------------------------------------------------------------------------
+@dataclass
+class ChunkState:
+    """What the processors of one forward pass share: the cache, whether to store, the chunk's RoPE."""
+
+    cache: KVCache | None = None
+    commit: bool = True
+    rope: Rope | None = None
+
+
+class CachedSelfAttention:
+    """Attention processor for a Wan block's self-attention that reads and writes our cache."""
+
+    def __init__(self, layer: int, state: ChunkState):
+        self.layer = layer
+        self.state = state
+
+    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None) -> Tensor:
+        s = self.state
+        if s.cache is None or s.rope is None:
+            raise RuntimeError("CachedSelfAttention called outside WanAdapter.forward_chunk")
+        q = attn.norm_q(attn.to_q(hidden_states))
+        k = attn.norm_k(attn.to_k(hidden_states))
+        v = attn.to_v(hidden_states)
+        # [B, H, T, D] in float32 whatever the model's dtype: the cache's statistics, codecs and the
+        # fp reference all compute in float32 (a bf16 model's fp cache then holds 2x its bf16 bytes)
+        q, k, v = (x.unflatten(2, (attn.heads, -1)).transpose(1, 2).float() for x in (q, k, v))
+        attend = s.cache.attend if s.commit else s.cache.attend_uncommitted
+        out = attend(self.layer, s.rope.apply(q), k, v, s.rope)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(hidden_states)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+# ---- the adapter -----------------------------------------------------------------------------
+class WanAdapter:
+    def __init__(self, transformer, cfg: WanConfig, text_embedding: Tensor, name: str = "wan_diffusers"):
+        self.transformer = transformer.eval()
+        self.cfg = cfg
+        c = transformer.config
+        self.patch = tuple(c.patch_size)
+        if self.patch[0] != 1:
+            raise AdapterError(f"model.weights: temporal patch size {self.patch[0]} is not supported (Wan uses 1)")
+        if cfg.latent_height % self.patch[1] or cfg.latent_width % self.patch[2]:
+            raise AdapterError(f"config: model.wan latent {cfg.latent_height}x{cfg.latent_width} is not divisible "
+                               f"by the patch size {self.patch[1]}x{self.patch[2]}")
+        if text_embedding.ndim != 2 or text_embedding.shape[1] != c.text_dim:
+            raise AdapterError(f"model.wan.text_embedding: expected [L, {c.text_dim}], got {list(text_embedding.shape)}")
+        self.grid = (cfg.latent_height // self.patch[1], cfg.latent_width // self.patch[2])
+        self.channels = c.in_channels
+        self.head_dim = c.attention_head_dim
+        self.dtype = transformer.dtype
+        self.text = text_embedding
+        self.state = ChunkState()
+        transformer.set_attn_processor(self._processors())
+        self.info = ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_attention_heads,
+                              head_dim=c.attention_head_dim,
+                              tokens_per_frame=cfg.chunk_frames * self.grid[0] * self.grid[1],
+                              fingerprint=model_fingerprint(transformer))
+
+    def _processors(self) -> dict:
+        """Our processor on every `attn1`, diffusers' own on the rest (cross-attention)."""
+        procs = {}
+        for name, proc in self.transformer.attn_processors.items():
+            parts = name.split(".")  # blocks.<i>.attn1.processor
+            procs[name] = CachedSelfAttention(int(parts[1]), self.state) if parts[2] == "attn1" else proc
+        return procs
+
+    # ---- one pass of one chunk -------------------------------------------------------------
+    def forward_chunk(self, cache: KVCache, latents_BCFHW: Tensor, first_frame: int, timestep: float,
+                      commit: bool) -> Tensor:
+        """The transformer on one chunk at absolute latent frames first_frame.. : flow prediction."""
+        B, _, F = latents_BCFHW.shape[:3]
+        angles = rope_angles(self.head_dim, range(first_frame, first_frame + F), *self.grid)
+        self.state.cache, self.state.commit = cache, commit
+        self.state.rope = Rope(angles.to(device=latents_BCFHW.device, dtype=torch.float32).unsqueeze(0))
+        try:
+            t = torch.full((B,), float(timestep), device=latents_BCFHW.device)
+            text = self.text.to(latents_BCFHW.device, self.dtype).expand(B, -1, -1)
+            return self.transformer(latents_BCFHW.to(self.dtype), t, text, return_dict=False)[0]
+        finally:
+            self.state.cache, self.state.rope = None, None
+
+    def sigmas(self) -> list[float]:
+        s = self.cfg.shift
+        return [s * (t / 1000) / (1 + (s - 1) * (t / 1000)) for t in self.cfg.denoise_timesteps]
+
+    # ---- the adapter API -------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, trajs: list[Trajectory], cache: KVCache, device: torch.device, truth: Tensor | None = None,
+                keep_frames: bool = True, progress: Callable[[int], None] | None = None) -> Tensor:
+        """Generate every latent frame of `trajs`, chunk by chunk: [B, N, C, H, W].
+
+        The noise of trajectory b comes from a generator seeded with its seed, so a rollout is
+        a function of (weights, trajectory) whatever the batch. Poses and actions are not used
+        (diffusers' Wan is text-conditioned).
+        """
+        n, cf = trajs[0].num_frames, self.cfg.chunk_frames
+        if n % cf:
+            raise AdapterError(f"model.wan.chunk_frames={cf} does not divide the trajectory length {n}")
+        gens = [torch.Generator().manual_seed(t.seed) for t in trajs]
+        shape = (self.channels, cf, self.cfg.latent_height, self.cfg.latent_width)
+        noise = lambda: torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device, torch.float32)
+        sigmas = self.sigmas()
+        chunks = []
+        for c in range(n // cf):
+            x = noise()
+            for i, sigma in enumerate(sigmas):
+                flow = self.forward_chunk(cache, x, c * cf, sigma * 1000, commit=False).float()
+                x0 = x - sigma * flow
+                x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise() if i + 1 < len(sigmas) else x0
+            self.forward_chunk(cache, x0, c * cf, 0.0, commit=True)  # the clean pass writes the cache
+            frames = x0.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W]
+            chunks = chunks + [frames] if keep_frames else [frames[:, -1:]]
+            if progress is not None:
+                progress(cf)
+        return torch.cat(chunks, dim=1)
+
+    def ground_truth(self, trajs: list[Trajectory], device: torch.device) -> None:
+        return None
+
+    def preview(self, frames: Tensor) -> Tensor:
+        """First three latent channels, [-2, 2] mapped to [0, 1]."""
+        return ((frames[..., :3, :, :].float() + 2) / 4).clamp(0, 1)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def tiny_transformer():
+    """`TINY` with diffusers' own initialization, drawn from a fixed seed (same weights every time)."""
+    diffusers = _diffusers()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        return diffusers.WanTransformer3DModel(**TINY)
+
+
+def load_transformer(weights: str | None, dtype: torch.dtype):
+    if weights is None:
+        model = tiny_transformer()
+        return model if dtype == torch.float32 else model.to(dtype)
+    path = Path(weights)
+    if not (path / "config.json").is_file():
+        raise AdapterError(f"model.weights: {path} is not a diffusers model directory (no config.json there)")
+    diffusers = _diffusers()
+    try:
+        return diffusers.WanTransformer3DModel.from_pretrained(path, torch_dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AdapterError(f"model.weights: {path} does not load as WanTransformer3DModel: {first}") from None
+
+
+def load_text_embedding(path: str | None, text_dim: int) -> Tensor:
+    if path is None:
+        g = torch.Generator().manual_seed(TINY_SEED + 1)
+        return torch.randn(TEXT_TOKENS, text_dim, generator=g)
+    try:
+        tensors = load_file(path)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"model.wan.text_embedding: cannot read {path}: {str(e).splitlines()[0]}") from None
+    if "text_embedding" not in tensors:
+        raise AdapterError(f"model.wan.text_embedding: {path} has no tensor 'text_embedding'")
+    return tensors["text_embedding"].float()
+
+
+def load(weights: str | None, cfg: WanConfig, device: torch.device) -> WanAdapter:
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    transformer = load_transformer(weights, dtype).to(device)
+    text = load_text_embedding(cfg.text_embedding, transformer.config.text_dim)
+    return WanAdapter(transformer, cfg, text)
+
+
+def kv_cache_bytes(num_layers: int, num_heads: int, head_dim: int, tokens_per_frame: int, frames: int,
+                   bytes_per_element: float = 2.0) -> float:
+    """K and V bytes of `frames` cached frames (README's GPU note computes the real model's with this)."""
+    return 2 * num_layers * num_heads * head_dim * tokens_per_frame * frames * bytes_per_element
+
+
