@@ -198,6 +198,8 @@ def validate(cfg: Config) -> None:
     _positive("train.checkpoint_every", cfg.train.checkpoint_every)
     if cfg.train.clip_frames < 2:
         raise ValueError(f"config: train.clip_frames must be >= 2, got {cfg.train.clip_frames}")
+    if cfg.task == "train_world" and cfg.model.name != "tinyworld":
+        raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from calibrate.world.model import block_mask
+from calibrate.cache import block_mask
 
 
 @dataclass
