@@ -81,7 +81,7 @@ class FitConfig:
     trace_frames: int = 48  # whole frames of the first calibration batch replayed by the objective
     trace_trajectories: int = 4  # trajectories of that batch the objective replays
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off; at most the model's head_dim)
-    logit_correction: bool = False  # fit the key-noise logit correction (per-head strength on the objective)
+    logit_correction: bool = True  # fit the key-noise logit correction (per-head strength on the objective)
     keyframes: bool = False  # let the allocator offer key frames (every N-th frame at 4 or 8 bits)
     keyframe_intervals: list[int] = field(default_factory=lambda: [4, 8, 16])  # candidate N (frames, >= 1)
 

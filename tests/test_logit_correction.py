@@ -193,7 +193,7 @@ def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path
     torch.manual_seed(0)
     model = TinyWorld(TINY).eval()
     torch.nn.init.normal_(model.patch_out.weight, std=0.02)
-    off, off_record = pipeline.fit(_cfg(), model, torch.device("cpu"))
+    off, off_record = pipeline.fit(_cfg(logit_correction=False), model, torch.device("cpu"))
     recipe, record = pipeline.fit(_cfg(logit_correction=True), model, torch.device("cpu"))
     assert off_record["logit_correction"] == [] and not [n for n in off.tensors if n.endswith("logit_bias")]
     assert len(record["logit_correction"]) == TINY.num_layers

@@ -7,7 +7,7 @@ Fits `ours` once per mechanism from one calibration replay, every variant under 
 `fit.budget_bits` (per-frame bytes of every mechanism counted inside it: key frames spend it,
 the compensator and the logit correction are static recipe tensors, reported as static bytes):
 
-- `off`: compensator, logit correction and key frames off (the current default);
+- `off`: compensator, logit correction and key frames off (the defaults before this benchmark; the logit correction is on by default since it earned it here);
 - `comp_r<r>`: the low-rank residual compensator of rank r (fit/compensate.py);
 - `logit`: the key-noise logit correction (fit/logit_correction.py);
 - `keyframes`: the allocator may spend the budget on key frames (fit/search.py);
@@ -52,11 +52,12 @@ FLICKER_TOLERANCE = 0.01  # relative: "not worse" allows this much (noise of the
 
 
 def variants(comp_rank: int) -> dict[str, dict]:
+    off = {"comp_rank": 0, "logit_correction": False, "keyframes": False}  # explicit: defaults may change
     return {
-        "off": {},
-        f"comp_r{comp_rank}": {"comp_rank": comp_rank},
-        "logit": {"logit_correction": True},
-        "keyframes": {"keyframes": True},
+        "off": off,
+        f"comp_r{comp_rank}": {**off, "comp_rank": comp_rank},
+        "logit": {**off, "logit_correction": True},
+        "keyframes": {**off, "keyframes": True},
         "all": {"comp_rank": comp_rank, "logit_correction": True, "keyframes": True},
     }
 
@@ -115,7 +116,7 @@ def verdicts(rows: dict[str, dict], budgets: list[float], offered: dict[str, dic
                 continue
             better_long = r["psnr_long"] > off["psnr_long"]
             flicker_ok = r["flicker"] <= off["flicker"] * (1 + FLICKER_TOLERANCE)
-            declined = [k for k in overrides if not kept(r)[k]]
+            declined = [k for k, on in overrides.items() if on and not kept(r)[k]]  # offered, not taken
             out.append({"mechanism": name, "budget_bits": b, "earns": better_long and flicker_ok,
                         "psnr_long_delta_db": r["psnr_long"] - off["psnr_long"],
                         "flicker_rel_change": r["flicker"] / off["flicker"] - 1,

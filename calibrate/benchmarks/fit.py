@@ -36,6 +36,7 @@ ABLATIONS = {
     "ours_no_anchors": {"anchors": False},
     "ours_no_mixed": {"mixed_precision": False},
     "ours_no_sparse": {"sparse_fraction": 0.0},
+    "ours_no_logit": {"logit_correction": False},
     "ours_3.25bit": {"budget_bits": 3.25},  # about kvquant2's measured bits: equal-memory comparison
 }
 BASELINES_2BIT = ("naive2", "kivi2", "quarot2", "kvquant2", "qvg2")
