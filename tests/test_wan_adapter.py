@@ -122,6 +122,18 @@ def test_bad_weights_paths(tmp_path):
         wan.load(str(tmp_path / "tiny"), WanConfig(), CPU)
 
 
+def test_text_embedding_file(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"text_embedding": torch.randn(5, 32)}, tmp_path / "ok.safetensors")
+    assert wan.load(None, WanConfig(text_embedding=str(tmp_path / "ok.safetensors")), CPU).text.shape == (5, 32)
+    save_file({"text_embedding": torch.randn(5, 31)}, tmp_path / "dim.safetensors")
+    save_file({"other": torch.randn(5, 32)}, tmp_path / "key.safetensors")
+    for name, message in (("dim", r"expected \[L, 32\]"), ("key", "no tensor 'text_embedding'"), ("missing", "cannot read")):
+        with pytest.raises(wan.AdapterError, match=message):
+            wan.load(None, WanConfig(text_embedding=str(tmp_path / f"{name}.safetensors")), CPU)
+
+
 def test_missing_diffusers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers -> ImportError
     with pytest.raises(wan.AdapterError, match=r'pip install -e "\.\[diffusers\]"'):

@@ -258,10 +258,3 @@ def load(weights: str | None, cfg: WanConfig, device: torch.device) -> WanAdapte
     text = load_text_embedding(cfg.text_embedding, transformer.config.text_dim)
     return WanAdapter(transformer, cfg, text)
 
-
-def kv_cache_bytes(num_layers: int, num_heads: int, head_dim: int, tokens_per_frame: int, frames: int,
-                   bytes_per_element: float = 2.0) -> float:
-    """K and V bytes of `frames` cached frames (README's GPU note computes the real model's with this)."""
-    return 2 * num_layers * num_heads * head_dim * tokens_per_frame * frames * bytes_per_element
-
-
