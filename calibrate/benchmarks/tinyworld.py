@@ -224,6 +224,16 @@ def memory_bars(model: TinyWorld, clips: Clips, window: int, sink_frames: int) -
             outbound_BN[b, j + 1 : turn + 1] = True
             return_BN[b, turn + 1 : i + 1] = True
 
+    # the frames back at the earlier pose, split by how they got there: in one snap (the view
+    # before was far away) or gradually (the view before was next to it)
+    snap_BN = torch.zeros_like(return_BN)
+    gradual_BN = torch.zeros_like(return_BN)
+    for b, eps in enumerate(episodes):
+        yaw = clips.trajs[b].poses[:, 2]
+        for _, _, i in eps:
+            jump = abs(wrap_angle(yaw[i] - yaw[i - 1]).item())
+            (snap_BN if jump >= math.radians(TURN_AWAY_DEG) / 2 else gradual_BN)[b, i] = True
+
     def mean(values) -> float:
         values = list(values)
         return sum(values) / len(values) if values else math.nan
@@ -238,7 +248,9 @@ def memory_bars(model: TinyWorld, clips: Clips, window: int, sink_frames: int) -
     tf, free, vs_truth = {}, {}, {}
     for name, (w, s) in caches.items():
         tf_BN = psnr(run_rollout(model, clips, w, s, teacher_forced=True), g)
-        tf[name] = {"return_db": mean(tf_BN[return_BN].tolist()), "outbound_db": mean(tf_BN[outbound_BN].tolist())}
+        tf[name] = {"return_db": mean(tf_BN[return_BN].tolist()), "outbound_db": mean(tf_BN[outbound_BN].tolist()),
+                    "snap_return_frame_db": mean(tf_BN[snap_BN].tolist()),
+                    "gradual_return_frame_db": mean(tf_BN[gradual_BN].tolist())}
         frames = run_rollout(model, clips, w, s, teacher_forced=False)
         free[name] = pair_psnr(frames, frames)
         vs_truth[name] = truth_psnr(frames)
@@ -252,6 +264,8 @@ def memory_bars(model: TinyWorld, clips: Clips, window: int, sink_frames: int) -
             "value_db": json_safe(return_gain - outbound_gain),
             "num_return_frames": int(return_BN.sum()),
             "num_outbound_frames": int(outbound_BN.sum()),
+            "num_snap_returns": int(snap_BN.sum()),
+            "num_gradual_returns": int(gradual_BN.sum()),
         },
         "rollout": {
             "full_cache_db": json_safe(free["full_cache"]),
@@ -448,6 +462,10 @@ def render_markdown(report: dict) -> str:
         f"{_f(tf['last_frame_cache']['return_db'])} | {_f(tf['return_gain_db'])} |",
         f"| teacher-forced, outbound legs ({tf['num_outbound_frames']} frames) | {_f(tf['full_cache']['outbound_db'])} | "
         f"{_f(tf['last_frame_cache']['outbound_db'])} | {_f(tf['outbound_gain_db'])} |",
+        *[f"| teacher-forced, return frame after a {kind} return ({tf[f'num_{kind}_returns']} frames, information) | "
+          f"{_f(tf['full_cache'][f'{kind}_return_frame_db'])} | {_f(tf['last_frame_cache'][f'{kind}_return_frame_db'])} | "
+          f"{_f(tf['full_cache'][f'{kind}_return_frame_db'] - tf['last_frame_cache'][f'{kind}_return_frame_db'])} |"
+          for kind in ("snap", "gradual")],
         f"| rollout, return vs earlier view ({fr['num_pairs']} episodes) | {_f(fr['full_cache_db'])} | "
         f"{_f(fr['last_frame_cache_db'])} | {_f(fr['gain_db'])} |",
         f"| rollout, return frame vs true view (information) | {_f(fr['full_cache_return_vs_truth_db'])} | "
