@@ -196,6 +196,10 @@ def validate(cfg: Config) -> None:
     _positive("train.batch_size", cfg.train.batch_size)
     _positive("train.new_per_step", cfg.train.new_per_step)
     _positive("train.checkpoint_every", cfg.train.checkpoint_every)
+    bad = [f for f in cfg.train.motion_families if f not in FAMILIES]
+    if bad or not cfg.train.motion_families:
+        raise ValueError(f"config: train.motion_families must be a non-empty list of families ({', '.join(FAMILIES)}), "
+                         f"got {cfg.train.motion_families}")
     if cfg.train.clip_frames < 2:
         raise ValueError(f"config: train.clip_frames must be >= 2, got {cfg.train.clip_frames}")
     if cfg.task == "train_world" and cfg.model.name != "tinyworld":

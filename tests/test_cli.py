@@ -223,6 +223,8 @@ CASES = [
     Case("negative-num-frames", ["trajectories.num_frames=-1"], ["trajectories.num_frames", "-1"], subprocess=True),
     Case("zero-num-trajectories", ["trajectories.num_trajectories=0"], ["trajectories.num_trajectories", "0"]),
     Case("unknown-family", ["trajectories.families=[orbit,nope]"], ["family", "nope"]),
+    Case("unknown-train-family", ["task=train_world", "train.motion_families=[dolly,nope]"],
+         ["train.motion_families", "nope"]),
     Case("bad-device", ["device=tpu"], ["device", "tpu"]),
     Case("non-numeric-value", ["trajectories.num_frames=abc"], ["trajectories.num_frames", "abc"]),
     Case("clip-above-one", ["fit.clip_grid=[1.0,1.5]"], ["fit.clip_grid", "1.5"]),

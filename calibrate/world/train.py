@@ -58,6 +58,8 @@ class TrainConfig:
     self_forcing_max: float = 0.5  # share of self-forced batches once ramped up
     self_forcing_ramp: int = 600  # steps from start to max
     revisit_share: float = 0.5  # share of clips from the `revisit` family
+    motion_families: list[str] = field(default_factory=lambda: list(MOTION_FAMILIES))  # the other clips, drawn
+    # uniformly from this list (name a family twice to double its share)
     window: int = 16  # cache window the model trains under (frames)
     sink_frames: int = 1
     new_per_step: int = 4  # freshly rendered clips per step (the rest are replayed)
@@ -104,7 +106,7 @@ class ClipSource:
         if torch.rand((), generator=gen).item() < cfg.revisit_share:
             family = "revisit"
         else:
-            family = MOTION_FAMILIES[int(torch.randint(len(MOTION_FAMILIES), (), generator=gen))]
+            family = cfg.motion_families[int(torch.randint(len(cfg.motion_families), (), generator=gen))]
         lo, hi = SEED_RANGES["train"]
         seed = lo + (cfg.seed + clip_id) % (hi - lo)
         traj = make_trajectory(family, seed, cfg.clip_frames)
