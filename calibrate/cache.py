@@ -117,10 +117,7 @@ class KVCache:
         """
         new = self._num_appended[layer]
         visible = [f for f in kept_frames(new + 1, self.window, self.sink_frames) if f != new]
-        k_BHND, v_BHND = key_rope.apply(k_BHTD), v_BHTD
-        if visible:
-            k_old, v_old = self.read(layer, visible)
-            k_BHND, v_BHND = torch.cat((k_old, k_BHND), dim=2), torch.cat((v_old, v_BHND), dim=2)
+        k_BHND, v_BHND = self.read_with(layer, visible, key_rope.apply(k_BHTD), v_BHTD)
         return softmax_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD, visible))
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
@@ -142,6 +139,13 @@ class KVCache:
         frames = self.frame_indices(layer) if frames is None else frames
         loaded = [self._load(layer, f, self._frames[layer][f]) for f in frames]
         return torch.cat([k for k, _ in loaded], dim=2), torch.cat([v for _, v in loaded], dim=2)
+
+    def read_with(self, layer: int, frames: list[int], k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V of the held `frames` (none is fine), oldest first, followed by a fresh frame's post-rotary K/V."""
+        if not frames:
+            return k_new_BHTD, v_new_BHTD
+        k_old, v_old = self.read(layer, frames)
+        return torch.cat((k_old, k_new_BHTD), dim=2), torch.cat((v_old, v_new_BHTD), dim=2)
 
     def frame_indices(self, layer: int = 0) -> list[int]:
         """Indices of the frames currently held for `layer`, oldest first."""

@@ -122,14 +122,9 @@ class QuantizedKVCache(KVCache):
         return self.final_bits(layer, kind, head, index)
 
     def _load(self, layer: int, index: int, stored: dict) -> tuple[Tensor, Tensor]:
-        out = []
-        for kind in KINDS:
-            if stored["bits"] == "recent":
-                bits = lambda h: self.policy.recent_bits
-            else:
-                bits = lambda h, kind=kind: self.final_bits(layer, kind, h, index)
-            out.append(self._decode(layer, kind, stored[kind], bits))
-        return out[0], out[1]
+        k, v = (self._decode(layer, kind, stored[kind], lambda h, kind=kind: self.stored_bits(layer, kind, h, index))
+                for kind in KINDS)
+        return k, v
 
     def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
         index = super().append(layer, k_BHTD, v_BHTD, key_rope)
@@ -152,12 +147,7 @@ class QuantizedKVCache(KVCache):
 
     def gather(self, layer: int, k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
         """Keys/values the newest frame attends to: decoded history + its own fresh (post-rotary) K/V."""
-        ks, vs = [], []
-        for f in self.history(layer):
-            k, v = self._load(layer, f, self._frames[layer][f])
-            ks.append(k)
-            vs.append(v)
-        return torch.cat(ks + [k_new_BHTD], dim=2), torch.cat(vs + [v_new_BHTD], dim=2)
+        return self.read_with(layer, self.history(layer), k_new_BHTD, v_new_BHTD)
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
         """Additive logits [B, H, T, N] for the keys of `frames` (default: `history`) followed by
