@@ -202,6 +202,9 @@ def validate(cfg: Config) -> None:
                          f"got {cfg.train.motion_families}")
     if cfg.train.clip_frames < 2:
         raise ValueError(f"config: train.clip_frames must be >= 2, got {cfg.train.clip_frames}")
+    if cfg.train.loss not in ("mse", "log_mse"):
+        raise ValueError(f"config: train.loss must be mse or log_mse, got '{cfg.train.loss}'")
+    _positive("train.log_mse_eps", cfg.train.log_mse_eps)
     if cfg.task == "train_world" and cfg.model.name != "tinyworld":
         raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:

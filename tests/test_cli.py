@@ -245,6 +245,11 @@ CASES = [
     Case("weights-corrupt", ["task=stats", "model.weights={weights_corrupt}"], ["weights_corrupt.safetensors", "not a readable"],
          subprocess=True),
     Case("weights-shape-mismatch", ["task=stats", "model.weights={weights_shape}"], ["weights_shape.safetensors", "shape"]),
+    Case("train-unknown-loss", ["task=train_world", "train.loss=l1"], ["train.loss", "l1"]),
+    Case("train-init-weights-missing", ["task=train_world", "train.init_weights={missing}"],
+         ["train.init_weights", "does-not-exist.safetensors", "not found"]),
+    Case("train-init-weights-other-architecture", ["task=train_world", "train.init_weights={weights}"],
+         ["train.init_weights", "shape", "the model needs"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(Case("cuda-without-gpu", ["task=stats", *TINY_MODEL, "device=cuda:0"], ["device=cuda:0", "cuda"]))

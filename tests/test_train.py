@@ -3,7 +3,11 @@ one, and the clip mix follows the config."""
 
 import torch
 
-from calibrate.world.train import ClipSource, TrainConfig, train
+import pytest
+
+from calibrate.world.model import TinyWorld, TinyWorldConfig
+from calibrate.world.train import ClipSource, TrainConfig, frame_loss, load_init_weights, train
+from calibrate.world.weights import save_weights
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
 
 TINY_MODEL = dict(dim=64, num_layers=1, num_heads=1, rope_xy_pairs=4, rope_bearing_pairs=8)
@@ -44,3 +48,45 @@ def test_clip_mix_follows_the_config():
     for clip_id in range(6):
         _, poses, _ = source.clip(clip_id)
         assert torch.equal(poses, make_trajectory("dolly", lo + clip_id % (hi - lo), 4).poses)
+
+
+def test_a_stage_starts_from_init_weights_and_new_heads_keep_their_init(tmp_path):
+    """Weights trained before a head existed load; the missing head keeps its (zero) init."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(1)
+    trained = TinyWorld(TinyWorldConfig(**TINY_MODEL))
+    for p in trained.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    save_weights(trained, tmp_path / "full.safetensors")
+    older = {k: v for k, v in load_file(tmp_path / "full.safetensors").items() if not k.startswith("patch_out.")}
+    save_file(older, tmp_path / "older.safetensors")  # as if patch_out had been added since
+
+    fresh = TinyWorld(TinyWorldConfig(**TINY_MODEL))
+    assert load_init_weights(fresh, tmp_path / "older.safetensors") == ["patch_out.bias", "patch_out.weight"]
+    for name, t in fresh.state_dict().items():
+        expected = torch.zeros_like(t) if name.startswith("patch_out.") else trained.state_dict()[name]
+        assert torch.equal(t, expected), name
+
+    # lr 0: the stage's model is exactly the init weights (the optimizer is fresh, nothing moves)
+    model = train(tiny(steps=2, lr=0.0, init_weights=str(tmp_path / "older.safetensors")), tmp_path / "stage")
+    assert torch.equal(model.blocks[0].qkv.weight, trained.blocks[0].qkv.weight)
+
+
+def test_init_weights_of_another_architecture_name_the_tensor(tmp_path):
+    save_weights(TinyWorld(TinyWorldConfig(**{**TINY_MODEL, "dim": 128, "num_heads": 2})), tmp_path / "w.safetensors")
+    with pytest.raises(ValueError, match=r"w.safetensors: tensor '.*' has shape"):
+        load_init_weights(TinyWorld(TinyWorldConfig(**TINY_MODEL)), tmp_path / "w.safetensors")
+
+
+
+def test_log_mse_loss_is_minus_the_mean_per_frame_psnr():
+    """Hand-computed: frames off by 0.1 and by 0.001 everywhere have MSE 1e-2 and 1e-6."""
+    target = torch.zeros(1, 2, 3, 4, 4)
+    pred = target.clone()
+    pred[0, 0] += 0.1
+    pred[0, 1] += 0.001
+    cfg = tiny(loss="log_mse", log_mse_eps=1e-4)
+    expected = (10 * torch.log10(torch.tensor(1e-2 + 1e-4)) + 10 * torch.log10(torch.tensor(1e-6 + 1e-4))) / 2
+    assert frame_loss(pred, target, cfg).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert frame_loss(pred, target, tiny()).item() == pytest.approx((1e-2 + 1e-6) / 2, rel=1e-5)  # plain MSE

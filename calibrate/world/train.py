@@ -15,6 +15,8 @@ the seeds of step s are a pure function of s, so a resumed run sees the same dat
 
 Checkpoints are safetensors (model, AdamW moments, step and loss log in the metadata) written
 atomically every `checkpoint_every` steps; `train(..., resume=True)` continues from one.
+A new stage can also start from a weights file (`init_weights`) with a fresh optimizer and
+schedule: tensors the file lacks (a head added since it was trained) keep their initialization.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class TrainConfig:
     seed: int = 0  # offset into the training seed range
     num_threads: int = 0  # torch threads (0 = torch default)
     model: dict = field(default_factory=dict)  # TinyWorldConfig overrides
+    loss: str = "mse"  # mse: pixel MSE of the batch; log_mse: mean over frames of 10 log10(MSE + log_mse_eps),
+    log_mse_eps: float = 1e-4  # i.e. minus the mean per-frame PSNR, so near-exact frames (a still camera)
+    # weigh like the rest instead of vanishing next to moving ones; eps caps that weight (1e-4 = 40 dB)
+    init_weights: str | None = None  # start from this weights file (a new stage: fresh optimizer and
+    # schedule; tensors it lacks keep their init); a checkpoint in the run dir takes precedence
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -128,6 +135,13 @@ class ClipSource:
         return torch.stack(frames), torch.stack(poses), torch.stack(actions)
 
 
+def frame_loss(pred_BS3HW: torch.Tensor, target_BS3HW: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    if cfg.loss == "mse":
+        return F.mse_loss(pred_BS3HW, target_BS3HW)
+    mse_BS = (pred_BS3HW - target_BS3HW).pow(2).flatten(2).mean(dim=-1)
+    return 10.0 * torch.log10(mse_BS + cfg.log_mse_eps).mean()
+
+
 def train_step(model, opt, step: int, cfg: TrainConfig, source: ClipSource) -> float:
     frames, poses, actions = source.batch(step)
     inputs = frames
@@ -139,7 +153,7 @@ def train_step(model, opt, step: int, cfg: TrainConfig, source: ClipSource) -> f
         inputs = torch.cat([frames[:, :1], own[:, 1:]], dim=1)
         model.train()
     pred = model(inputs, poses, actions, cfg.window, cfg.sink_frames)
-    loss = F.mse_loss(pred, frames[:, 1:])
+    loss = frame_loss(pred, frames[:, 1:], cfg)
     for group in opt.param_groups:
         group["lr"] = lr_at(step, cfg)
     opt.zero_grad(set_to_none=True)
@@ -190,6 +204,30 @@ def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
     return int(meta["step"]), json.loads(meta["losses"])
 
 
+def load_init_weights(model: TinyWorld, path: str | Path) -> list[str]:
+    """Load a weights file into `model`; returns the names of the tensors it did not have.
+
+    Every tensor in the file must exist in the model with the same shape (one-line ValueError
+    naming the file otherwise); the model's other tensors keep their initialization.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"train.init_weights: {p}: weights file not found")
+    try:
+        tensors = load_file(str(p))
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise ValueError(f"train.init_weights: {p}: not a readable safetensors file ({str(e).splitlines()[0][:100]})") from None
+    own = model.state_dict()
+    for name, t in tensors.items():
+        if name not in own:
+            raise ValueError(f"train.init_weights: {p}: tensor '{name}' is not part of the model")
+        if t.shape != own[name].shape:
+            raise ValueError(f"train.init_weights: {p}: tensor '{name}' has shape {list(t.shape)}, "
+                             f"the model needs {list(own[name].shape)}")
+    model.load_state_dict(tensors, strict=False)
+    return sorted(set(own) - set(tensors))
+
+
 def train(cfg: TrainConfig, out_dir: Path, resume: bool = True) -> TinyWorld:
     """Train (or continue training) TinyWorld; checkpoints and the loss log go to `out_dir`."""
     if cfg.num_threads:
@@ -203,6 +241,9 @@ def train(cfg: TrainConfig, out_dir: Path, resume: bool = True) -> TinyWorld:
     if resume and ckpt.exists():
         start, losses = load_checkpoint(ckpt, model, opt)
         log.info("resumed from %s at step %d", ckpt, start)
+    elif cfg.init_weights:
+        new = load_init_weights(model, cfg.init_weights)
+        log.info("initialized from %s; new tensors: %s", cfg.init_weights, ", ".join(new) or "none")
     model.train()
     source = ClipSource(cfg)
     t0 = time.time()
