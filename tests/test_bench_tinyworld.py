@@ -63,3 +63,20 @@ def test_too_few_frames_is_exit_2(tmp_path, weights, capsys):
     argv = ["--weights", str(weights[0]), "--out", str(tmp_path), *SMALL, "--num-frames", "10"]
     assert main(argv) == 2
     assert "--num-frames" in capsys.readouterr().err
+
+
+def test_return_legs_split_into_dwell_retrace_and_return_frames(weights):
+    """Every return-leg frame is exactly one kind; pooled and per-frame numbers are both there."""
+    from calibrate.benchmarks.tinyworld import Clips, memory_bars
+    from calibrate.world.trajectories import make_trajectories
+    from calibrate.world.weights import load_weights
+
+    clips = Clips(make_trajectories("revisit", "evaluation", 2, 60))
+    tf = memory_bars(load_weights(weights[0]), clips, window=16, sink_frames=1)["teacher_forced"]
+    assert tf["num_dwell_frames"] > 0 and tf["num_retrace_frames"] > 0
+    assert (tf["num_dwell_frames"] + tf["num_retrace_frames"] + tf["num_snap_returns"] + tf["num_gradual_returns"]
+            == tf["num_return_frames"])
+    for cache in ("full_cache", "last_frame_cache"):
+        assert all(math.isfinite(tf[cache][k]) for k in ("dwell_db", "retrace_db", "return_pooled_db", "outbound_pooled_db"))
+    gain = lambda k: tf["full_cache"][k] - tf["last_frame_cache"][k]
+    assert tf["pooled_value_db"] == pytest.approx(gain("return_pooled_db") - gain("outbound_pooled_db"))
