@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from calibrate.cache import KVCache
-from calibrate.world.model import TinyWorld, TinyWorldConfig, block_mask
+from calibrate.world.model import TinyWorld, TinyWorldConfig, block_mask, warp
 from calibrate.world.rollout import rollout
 
 TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
@@ -19,8 +19,9 @@ def _clip(B=2, N=7, seed=0):
 def _model(seed=0):
     torch.manual_seed(seed)
     model = TinyWorld(TINY).eval()
-    # the output head starts at zero; give it weights so the test sees every layer
+    # the output heads start at zero; give them weights so the test sees every layer and the warp
     torch.nn.init.normal_(model.patch_out.weight, std=0.02)
+    torch.nn.init.normal_(model.flow_out.weight, std=0.05)
     return model
 
 
@@ -70,3 +71,39 @@ def test_rollout_deterministic_and_uses_cache():
     assert torch.equal(a, b)
     assert a.shape == frames.shape and torch.equal(a[:, 0], frames[:, 0])
     assert not torch.equal(a, run(1)), "cache contents must influence the output"
+
+
+# ---- the warp readout ---------------------------------------------------------------------------
+def test_zero_flow_is_exactly_the_identity():
+    frames = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(warp(frames, torch.zeros(2, 2, 16, 16)), frames)
+
+
+def test_whole_pixel_flow_shifts_and_pads_with_the_border():
+    frames = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    right = warp(frames, torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(1, 2, 4, 4))  # sample one column right
+    assert torch.allclose(right[..., :-1], frames[..., 1:], atol=1e-6)
+    assert torch.allclose(right[..., -1], frames[..., -1], atol=1e-6)  # border padding
+    up = warp(frames, torch.tensor([0.0, -2.0]).view(1, 2, 1, 1).expand(1, 2, 4, 4))  # two rows up
+    assert torch.allclose(up[..., 2:, :], frames[..., :-2, :], atol=1e-6)
+
+
+def test_half_pixel_flow_averages_neighbours():
+    """Hand-computed: a ramp 0, 1, 2, ... sampled half a pixel to the right reads 0.5, 1.5, ..."""
+    ramp = torch.arange(8.0).view(1, 1, 1, 8).expand(1, 3, 8, 8)
+    out = warp(ramp, torch.tensor([0.5, 0.0]).view(1, 2, 1, 1).expand(1, 2, 8, 8))
+    assert torch.allclose(out[0, 0, 0], torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.0]), atol=1e-6)
+
+
+def test_untrained_model_copies_the_newest_frame():
+    """Both heads start at zero, so before training the prediction is the input frame."""
+    torch.manual_seed(0)
+    model = TinyWorld(TINY).eval()
+    frames, poses, actions = _clip()
+    pred = model(frames, poses, actions, window=16, sink_frames=1)
+    assert torch.equal(pred, frames[:, :-1])
+
+
+def test_flow_stride_must_divide_the_patch():
+    with pytest.raises(ValueError, match="flow_stride"):
+        TinyWorldConfig(flow_stride=3)

@@ -514,6 +514,10 @@ def render_markdown(report: dict) -> str:
           f"{_f(tf['full_cache'][f'{kind}_return_frame_db'])} | {_f(tf['last_frame_cache'][f'{kind}_return_frame_db'])} | "
           f"{_f(tf['full_cache'][f'{kind}_return_frame_db'] - tf['last_frame_cache'][f'{kind}_return_frame_db'])} |"
           for kind in ("snap", "gradual")],
+        *[f"| teacher-forced, {leg} legs, PSNR of the pooled error (information) | "
+          f"{_f(tf['full_cache'][f'{leg}_pooled_db'])} | {_f(tf['last_frame_cache'][f'{leg}_pooled_db'])} | "
+          f"{_f(tf['full_cache'][f'{leg}_pooled_db'] - tf['last_frame_cache'][f'{leg}_pooled_db'])} |"
+          for leg in ("return", "outbound")],
         f"| rollout, return vs earlier view ({fr['num_pairs']} episodes; last-frame arm cut at the largest turn) | "
         f"{_f(fr['full_cache_db'])} | {_f(fr['last_frame_cache_db'])} | {_f(fr['gain_db'])} |",
         f"| rollout, return frame vs true view (information) | {_f(fr['full_cache_return_vs_truth_db'])} | "
@@ -523,11 +527,6 @@ def render_markdown(report: dict) -> str:
         f"| rollout, return frame vs true view, last-frame cache for the whole rollout (information) | "
         f"{_f(fr['full_cache_return_vs_truth_db'])} | {_f(fr['whole_rollout_last_frame_cache_return_vs_truth_db'])} | "
         f"{_f(fr['full_cache_return_vs_truth_db'] - fr['whole_rollout_last_frame_cache_return_vs_truth_db'])} |",
-        "",
-        *[f"| teacher-forced, {leg} legs, PSNR of the pooled error (information) | "
-          f"{_f(tf['full_cache'][f'{leg}_pooled_db'])} | {_f(tf['last_frame_cache'][f'{leg}_pooled_db'])} | "
-          f"{_f(tf['full_cache'][f'{leg}_pooled_db'] - tf['last_frame_cache'][f'{leg}_pooled_db'])} |"
-          for leg in ("return", "outbound")],
         "",
         f"Return-leg gain minus outbound-leg gain: {_f(tf['value_db'])} dB (the bar: mean of per-frame PSNR); "
         f"{_f(tf['pooled_value_db'])} dB with the PSNR of the pooled error, the aggregate of bars 1 and 2. The "

@@ -6,7 +6,13 @@ One step of the model turns the newest frame into the next one:
 
 The newest frame is cut into P x P patches (16 tokens for 32x32 frames and 8x8 patches).
 Each token carries the content of frame t-1 and is asked to produce the patch of frame t at
-the same place. Every layer hands its queries, keys and values to the `KVCache`
+the same place, in two parts: a *flow* (where each pixel of frame t comes from in frame t-1,
+predicted every `flow_stride` pixels and interpolated) that warps frame t-1, plus a
+*residual* added to the warped frame. Camera motion mostly moves pixels - a dolly zooms them
+by a depth-dependent sub-pixel amount, a pan shifts them - which a warp does exactly and an
+8x8-patch linear readout can hardly do; what no warp of frame t-1 can give (views that left
+the frame and come back) is the residual's job, and comes from the cache. Every layer hands
+its queries, keys and values to the `KVCache`
 (`calibrate.cache`), which stores the frame's K/V and returns attention over all kept
 frames. K/V are written once per frame, so the cache grows by one frame per step.
 
@@ -23,7 +29,7 @@ Training runs all steps of a clip in parallel with a block-causal mask that mirr
 cache's sink+window policy (`block_mask`), and a test checks it equals the cached rollout.
 
 Shape legend: B batch, S steps (frames generated), T tokens per frame, C model dim,
-H heads, D head_dim, A rotary angles per head (D/2).
+H heads, D head_dim, A rotary angles per head (D/2); frames are [B, 3, H, W] (H, W pixels).
 """
 
 from __future__ import annotations
@@ -52,10 +58,13 @@ class TinyWorldConfig:
     # rotary angle pairs per head: x position, y position, ray bearing; the rest stay unrotated
     rope_xy_pairs: int = 8
     rope_bearing_pairs: int = 12
+    flow_stride: int = 2  # the warp's flow is predicted every flow_stride pixels (divides patch_size)
 
     def __post_init__(self):
         if self.frame_size % self.patch_size:
             raise ValueError(f"frame_size {self.frame_size} is not a multiple of patch_size {self.patch_size}")
+        if self.flow_stride < 1 or self.patch_size % self.flow_stride:
+            raise ValueError(f"flow_stride {self.flow_stride} does not divide patch_size {self.patch_size}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if 2 * self.rope_xy_pairs + self.rope_bearing_pairs > self.head_dim // 2:
@@ -155,8 +164,12 @@ class TinyWorld(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm_out = nn.LayerNorm(cfg.dim)
         self.patch_out = nn.Linear(cfg.dim, patch_dim)
-        nn.init.zeros_(self.patch_out.weight)
-        nn.init.zeros_(self.patch_out.bias)
+        self.flow_out = nn.Linear(cfg.dim, 2 * (cfg.patch_size // cfg.flow_stride) ** 2)
+        # Both heads start at zero: an untrained model copies the newest frame (zero flow is
+        # the identity warp), and weights trained before the flow head existed load unchanged.
+        for head in (self.patch_out, self.flow_out):
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
         self.rotary = PoseRotary(cfg)
 
     # ---- patches <-> frames ------------------------------------------------------------
@@ -165,10 +178,11 @@ class TinyWorld(nn.Module):
         x = frames_B3HW.reshape(-1, 3, n, p, n, p).permute(0, 2, 4, 1, 3, 5)
         return x.reshape(-1, n * n, 3 * p * p)
 
-    def unpatchify(self, patches_BTP: Tensor) -> Tensor:
-        p, n = self.cfg.patch_size, self.cfg.patches_per_side
-        x = patches_BTP.reshape(-1, n, n, 3, p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(-1, 3, n * p, n * p)
+    def unpatchify(self, patches_BTP: Tensor, channels: int = 3, patch: int | None = None) -> Tensor:
+        """[B, T, channels * patch**2] -> [B, channels, n * patch, n * patch] (n patches per side)."""
+        p, n = patch or self.cfg.patch_size, self.cfg.patches_per_side
+        x = patches_BTP.reshape(-1, n, n, channels, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(-1, channels, n * p, n * p)
 
     def _embed(self, frames_B3HW: Tensor, actions_B3: Tensor) -> Tensor:
         a = torch.stack(
@@ -178,7 +192,10 @@ class TinyWorld(nn.Module):
         return x + self.action_in(a * 4.0).unsqueeze(1)
 
     def _readout(self, x_BTC: Tensor, frames_B3HW: Tensor) -> Tensor:
-        return frames_B3HW + self.unpatchify(self.patch_out(self.norm_out(x_BTC)))
+        """Next frame = warp(newest frame, flow) + residual, both read from the last tokens."""
+        h = self.norm_out(x_BTC)
+        flow_B2hw = self.unpatchify(self.flow_out(h), channels=2, patch=self.cfg.patch_size // self.cfg.flow_stride)
+        return warp(frames_B3HW, flow_B2hw) + self.unpatchify(self.patch_out(h))
 
     # ---- one step through the cache (rollouts) -----------------------------------------
     def step(
@@ -215,6 +232,24 @@ class TinyWorld(nn.Module):
         return Rope(angles.reshape(B, S * angles.shape[1], -1))
 
 
+def warp(frames_B3HW: Tensor, flow_B2hw: Tensor) -> Tensor:
+    """Backward warp: output pixel (i, j) samples frames at (i, j) + flow, flow in pixels.
+
+    `flow_B2hw` (channel 0: x = columns, 1: y = rows) may be coarser than the frame; it is
+    interpolated bilinearly to full resolution first. Sampling is bilinear at pixel centers
+    (align_corners=False) with border padding, so zero flow returns the frames exactly.
+    """
+    H, W = frames_B3HW.shape[-2:]
+    flow_B2HW = F.interpolate(flow_B2hw, size=(H, W), mode="bilinear", align_corners=False)
+    # pixel centers in grid_sample's normalized coordinates: (2 * i + 1) / size - 1
+    ys = (2 * torch.arange(H, dtype=frames_B3HW.dtype, device=frames_B3HW.device) + 1) / H - 1
+    xs = (2 * torch.arange(W, dtype=frames_B3HW.dtype, device=frames_B3HW.device) + 1) / W - 1
+    grid_BHW2 = torch.stack(
+        (xs.view(1, 1, W) + flow_B2HW[:, 0] * (2.0 / W), ys.view(1, H, 1) + flow_B2HW[:, 1] * (2.0 / H)), dim=-1
+    )
+    return F.grid_sample(frames_B3HW, grid_BHW2, mode="bilinear", padding_mode="border", align_corners=False)
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """A short, stable hash of the weights (recipes record which model they were fitted on)."""
     import hashlib
@@ -226,4 +261,4 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-__all__ = ["TinyWorld", "TinyWorldConfig", "block_mask", "model_fingerprint", "softmax_attention"]
+__all__ = ["TinyWorld", "TinyWorldConfig", "block_mask", "model_fingerprint", "softmax_attention", "warp"]
