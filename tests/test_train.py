@@ -1,14 +1,13 @@
 """TinyWorld training: the loss decreases on a tiny config, a resumed run equals an uninterrupted
 one, and the clip mix follows the config."""
 
-import torch
-
 import pytest
+import torch
 
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.train import ClipSource, TrainConfig, frame_loss, load_init_weights, train
-from calibrate.world.weights import save_weights
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
+from calibrate.world.weights import save_weights
 
 TINY_MODEL = dict(dim=64, num_layers=1, num_heads=1, rope_xy_pairs=4, rope_bearing_pairs=8)
 
@@ -77,7 +76,6 @@ def test_init_weights_of_another_architecture_name_the_tensor(tmp_path):
     save_weights(TinyWorld(TinyWorldConfig(**{**TINY_MODEL, "dim": 128, "num_heads": 2})), tmp_path / "w.safetensors")
     with pytest.raises(ValueError, match=r"w.safetensors: tensor '.*' has shape"):
         load_init_weights(TinyWorld(TinyWorldConfig(**TINY_MODEL)), tmp_path / "w.safetensors")
-
 
 
 def test_log_mse_loss_is_minus_the_mean_per_frame_psnr():

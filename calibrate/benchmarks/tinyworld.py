@@ -227,31 +227,21 @@ def memory_bars(model: TinyWorld, clips: Clips, window: int, sink_frames: int) -
     caches = {"full_cache": (window, sink_frames), "last_frame_cache": (LAST_FRAME_WINDOW, LAST_FRAME_SINK)}
     g = clips.true_BN3HW
     episodes = [turn_away_episodes(t) for t in clips.trajs]
+    # per episode: the outbound leg, and the return leg split by kind of frame - dwelling at the
+    # turned-away pose (camera still: the last frame already shows the view), retracing the
+    # outbound path, and the frame back at the earlier pose, reached in one snap (the view before
+    # was far away) or gradually (the view before was next to it)
     return_BN = torch.zeros(g.shape[:2], dtype=torch.bool)
-    outbound_BN = torch.zeros_like(return_BN)
+    outbound_BN, dwell_BN, snap_BN, gradual_BN = (torch.zeros_like(return_BN) for _ in range(4))
     for b, eps in enumerate(episodes):
+        poses = clips.trajs[b].poses
         for j, turn, i in eps:
             outbound_BN[b, j + 1 : turn + 1] = True
             return_BN[b, turn + 1 : i + 1] = True
-
-    # the frames back at the earlier pose, split by how they got there: in one snap (the view
-    # before was far away) or gradually (the view before was next to it)
-    snap_BN = torch.zeros_like(return_BN)
-    gradual_BN = torch.zeros_like(return_BN)
-    for b, eps in enumerate(episodes):
-        yaw = clips.trajs[b].poses[:, 2]
-        for _, _, i in eps:
-            jump = abs(wrap_angle(yaw[i] - yaw[i - 1]).item())
-            (snap_BN if jump >= math.radians(TURN_AWAY_DEG) / 2 else gradual_BN)[b, i] = True
-
-    # the return legs by kind of frame: dwelling at the turned-away pose (camera still: the last
-    # frame already shows the view), retracing the outbound path, and the return frame itself
-    dwell_BN = torch.zeros_like(return_BN)
-    for b, eps in enumerate(episodes):
-        poses = clips.trajs[b].poses
-        for _, turn, i in eps:
             for k in range(turn + 1, i):
                 dwell_BN[b, k] = bool(torch.equal(poses[k], poses[k - 1]))
+            jump = abs(wrap_angle(poses[i, 2] - poses[i - 1, 2]).item())
+            (snap_BN if jump >= math.radians(TURN_AWAY_DEG) / 2 else gradual_BN)[b, i] = True
     retrace_BN = return_BN & ~dwell_BN & ~snap_BN & ~gradual_BN
     kinds = {"outbound": outbound_BN, "return": return_BN, "dwell": dwell_BN, "retrace": retrace_BN}
 

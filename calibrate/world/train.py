@@ -40,6 +40,7 @@ from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
+from calibrate.world.weights import check_tensors, read_weights_file
 
 log = logging.getLogger(__name__)
 
@@ -207,23 +208,16 @@ def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
 def load_init_weights(model: TinyWorld, path: str | Path) -> list[str]:
     """Load a weights file into `model`; returns the names of the tensors it did not have.
 
-    Every tensor in the file must exist in the model with the same shape (one-line ValueError
+    Every tensor in the file must be one of the model's, with its shape (one-line ValueError
     naming the file otherwise); the model's other tensors keep their initialization.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"train.init_weights: {p}: weights file not found")
-    try:
-        tensors = load_file(str(p))
-    except Exception as e:  # safetensors raises several types for a bad header
-        raise ValueError(f"train.init_weights: {p}: not a readable safetensors file ({str(e).splitlines()[0][:100]})") from None
     own = model.state_dict()
-    for name, t in tensors.items():
-        if name not in own:
-            raise ValueError(f"train.init_weights: {p}: tensor '{name}' is not part of the model")
-        if t.shape != own[name].shape:
-            raise ValueError(f"train.init_weights: {p}: tensor '{name}' has shape {list(t.shape)}, "
-                             f"the model needs {list(own[name].shape)}")
+    try:
+        _, tensors = read_weights_file(p)
+        check_tensors(p, tensors, own)
+    except ValueError as e:
+        raise ValueError(f"train.init_weights: {e}") from None
     model.load_state_dict(tensors, strict=False)
     return sorted(set(own) - set(tensors))
 

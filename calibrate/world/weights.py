@@ -30,17 +30,32 @@ def save_weights(model: TinyWorld, path: str | os.PathLike, extra_meta: dict | N
     write_bytes_atomic(path, safetensors_bytes(tensors, meta))
 
 
+def read_weights_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a weights file; a one-line ValueError naming the file otherwise."""
+    if not path.is_file():
+        raise ValueError(f"{path}: TinyWorld weights file not found (train with: python -m calibrate task=train_world)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise ValueError(f"{path}: not a readable safetensors weights file ({str(e).splitlines()[0][:100]})") from None
+
+
+def check_tensors(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the file is one of the model's, with its shape, and finite (one-line ValueError)."""
+    for name, t in tensors.items():
+        if name not in expected:
+            raise ValueError(f"{path}: tensor '{name}' is not part of the model")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{path}: tensor '{name}' has shape {list(t.shape)}, the model needs {list(expected[name].shape)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor '{name}' has NaN or Inf values")
+
+
 def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
     """Build TinyWorld from a weights file; every problem is a one-line ValueError naming the file."""
     p = Path(path) if path else default_weights_path()
-    if not p.is_file():
-        raise ValueError(f"{p}: TinyWorld weights file not found (train with: python -m calibrate task=train_world)")
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises several types for a bad header
-        raise ValueError(f"{p}: not a readable safetensors weights file ({str(e).splitlines()[0][:100]})") from None
+    meta, tensors = read_weights_file(p)
     if meta.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"{p}: metadata 'format' is {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
     try:
@@ -54,13 +69,7 @@ def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{p}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
-    for name, t in tensors.items():
-        if name not in expected:
-            raise ValueError(f"{p}: unexpected tensor '{name}'")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{p}: tensor '{name}' has shape {list(t.shape)}, the config needs {list(expected[name].shape)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{p}: tensor '{name}' has NaN or Inf values")
+    check_tensors(p, tensors, expected)
     model.load_state_dict(tensors)
     return model.eval()
 
