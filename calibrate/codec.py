@@ -24,13 +24,14 @@ back, add the centroid, rotate back with R^T.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from calibrate.quant import affine, codebook, packing
-from calibrate.recipe import Recipe, TensorSpec
+from calibrate.recipe import TensorSpec
 
 FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
 FP_EPS = 2.0**-24  # smallest positive float16: dynamic scales never round to 0 when stored
@@ -52,9 +53,14 @@ class HeadParams:
     comp_up_RD: Tensor | None = None
 
 
-def head_params(recipe: Recipe, layer: int, kind: str, head: int, bits: int | None = None) -> HeadParams:
-    spec: TensorSpec = getattr(recipe.scheme.layers[layer], kind)
-    t = lambda role: None if recipe.tensor(layer, kind, role) is None else recipe.tensor(layer, kind, role)[head]
+def head_params(spec: TensorSpec, tensors: Mapping[str, Tensor], head: int, bits: int | None = None) -> HeadParams:
+    """The parameters of head `head` stored at `bits` (default: the spec's own bits for the head).
+
+    `tensors` maps a role (`scale`, `rotation`, ...) to its per-head stack [H, ...], as a recipe
+    holds them for one layer and tensor (`Recipe.layer_tensors`) and as the fitter builds its
+    candidates: the runtime and the fitter derive a head's parameters the same way, here.
+    """
+    t = lambda role: None if tensors.get(role) is None else tensors[role][head]
     clip = t("clip")
     native = spec.bits_of(head)
     b = native if bits is None else bits
@@ -108,22 +114,13 @@ def _levels_for_bits(levels: Tensor, bits: int) -> Tensor:
     return torch.linspace(-1.0, 1.0, 2**bits, dtype=levels.dtype, device=levels.device)
 
 
-def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
-    """Codes [B, T, D] (uint8, unpacked) and the dynamic parameters to store."""
+# ---- code kinds: how the prepared y becomes codes and dynamic parameters, and back ------------
+# A kind is a pair of pure functions plus the bytes its codes and dynamic parameters take.
+# `spec.kind` picks one; a new kind (a vector codebook, say) is one more entry in CODE_KINDS, its
+# name in recipe.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
+# fitter (ARCHITECTURE.md). The memory model counts its bytes through `frame_nbytes` below.
+def _uniform_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
     D = y.shape[-1]
-    if spec.kind == "codebook":
-        if spec.axis == "channel" and spec.static:
-            scale, zero = p.scale_D, p.zero_D
-            dyn = {}
-        else:
-            g = affine.group_view(y, spec.group_size or D)
-            scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(FP_EPS).to(FP).float()
-            zero = torch.zeros_like(scale)
-            dyn = {"scale": scale.to(FP)}
-            codes = codebook.nearest_level(((g - zero) / scale).clamp(-1, 1), p.levels_L)
-            return affine.ungroup(codes), dyn
-        codes = codebook.nearest_level(((y - zero) / scale).clamp(-1, 1), p.levels_L)
-        return codes, dyn
     if spec.axis == "channel" and spec.static:
         return affine.quantize(y, p.scale_D, p.zero_D, p.bits, spec.symmetric), {}
     if spec.axis == "channel":
@@ -140,14 +137,8 @@ def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[
     return affine.ungroup(affine.quantize(g, scale, zero, p.bits, spec.symmetric)), dyn
 
 
-def _dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+def _uniform_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
     D = codes.shape[-1]
-    if spec.kind == "codebook":
-        vals = codebook.decode(codes, p.levels_L)
-        if spec.axis == "channel" and spec.static:
-            return vals * p.scale_D + p.zero_D
-        g = affine.group_view(vals, spec.group_size or D)
-        return affine.ungroup(g * dyn["scale"].float())
     if spec.axis == "channel" and spec.static:
         return affine.dequantize(codes, p.scale_D, p.zero_D, p.bits, spec.symmetric)
     zero = dyn["zero"].float() if "zero" in dyn else None
@@ -155,6 +146,63 @@ def _dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: Head
         return affine.dequantize(codes, dyn["scale"].float(), zero, p.bits, spec.symmetric)
     g = affine.group_view(codes, spec.group_size or D)
     return affine.ungroup(affine.dequantize(g, dyn["scale"].float(), zero, p.bits, spec.symmetric))
+
+
+def _codebook_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+    D = y.shape[-1]
+    if spec.axis == "channel" and spec.static:
+        scale, zero = p.scale_D, p.zero_D
+        return codebook.nearest_level(((y - zero) / scale).clamp(-1, 1), p.levels_L), {}
+    g = affine.group_view(y, spec.group_size or D)
+    scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(FP_EPS).to(FP).float()
+    zero = torch.zeros_like(scale)
+    codes = codebook.nearest_level(((g - zero) / scale).clamp(-1, 1), p.levels_L)
+    return affine.ungroup(codes), {"scale": scale.to(FP)}
+
+
+def _codebook_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+    D = codes.shape[-1]
+    vals = codebook.decode(codes, p.levels_L)
+    if spec.axis == "channel" and spec.static:
+        return vals * p.scale_D + p.zero_D
+    g = affine.group_view(vals, spec.group_size or D)
+    return affine.ungroup(g * dyn["scale"].float())
+
+
+@dataclass(frozen=True)
+class CodeKind:
+    """One way of turning values into b-bit codes (see the block comment above)."""
+
+    quantize: Callable[[Tensor, TensorSpec, HeadParams], tuple[Tensor, dict[str, Tensor]]]
+    dequantize: Callable[[Tensor, dict[str, Tensor], TensorSpec, HeadParams], Tensor]
+    code_nbytes: Callable[[TensorSpec, int, int, int, int], int]  # (spec, bits, B, T, D) -> bytes of codes + parameters
+
+
+def _packed_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int, params_per_group: int) -> int:
+    """Packed b-bit codes plus `params_per_group` float16 parameters per group of dynamic ranges
+    (per token and group on axis "token", per channel on a dynamic axis "channel", none if static)."""
+    n = B * T * packing.packed_nbytes(D, bits)
+    if not (spec.axis == "channel" and spec.static):
+        groups = T * (D // (spec.group_size or D)) if spec.axis == "token" else D
+        n += B * groups * params_per_group * 2
+    return n
+
+
+CODE_KINDS = {
+    "uniform": CodeKind(_uniform_quantize, _uniform_dequantize,  # scale, and a zero point unless symmetric
+                        lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1 if spec.symmetric else 2)),
+    "codebook": CodeKind(_codebook_quantize, _codebook_dequantize,  # scale only (levels are symmetric)
+                         lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1)),
+}
+
+
+def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """Codes [B, T, D] (uint8, unpacked) and the dynamic parameters to store."""
+    return CODE_KINDS[spec.kind].quantize(y, spec, p)
+
+
+def _dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+    return CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
 
 
 def _center(spec: TensorSpec, p: HeadParams, y: Tensor) -> Tensor:
@@ -235,23 +283,37 @@ def fake_quant(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, 
     return _finish(_dequantize(codes, dyn, spec, p), side, p), codes
 
 
+def fake_quant_heads(x_BHFTD: Tensor, spec: TensorSpec, tensors: Mapping[str, Tensor], bits_H: list[int]) -> Tensor:
+    """`fake_quant` of every head of whole frames [B, H, F, T, D], head h at `bits_H[h]`.
+
+    Each frame is quantized on its own (per-frame parameters as the runtime computes them);
+    `tensors` are the per-head roles of one layer's K or V (see `head_params`).
+    """
+    B, H, F, T, D = x_BHFTD.shape
+    out = []
+    for h in range(H):
+        y = x_BHFTD[:, h].reshape(B * F, T, D)
+        out.append(fake_quant(y, spec, head_params(spec, tensors, h, bits_H[h]))[0].reshape(B, F, T, D))
+    return torch.stack(out, dim=1)
+
+
 def stored_nbytes(stored: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in stored.values())
 
 
-def predicted_nbytes(spec: TensorSpec, p: HeadParams, B: int, T: int, D: int) -> int:
-    """Bytes `encode` stores for one head of one frame, from the spec alone."""
-    if p.bits >= 16:
+def frame_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int) -> int:
+    """Bytes `encode` stores for one head of B x T tokens at `bits`, from the spec alone.
+
+    The memory model (memory.py) sums this over heads, layers and the frames a cache holds; a
+    test holds it to `stored_nbytes` of what `encode` really returns.
+    """
+    if bits >= 16:
         return B * T * D * 2
-    n = B * T * packing.packed_nbytes(D, p.bits)
-    if not (spec.axis == "channel" and spec.static):
-        per = 1 if spec.symmetric or spec.kind == "codebook" else 2
-        groups = T * (D // (spec.group_size or D)) if spec.axis == "token" else D
-        n += B * groups * per * 2
-    if p.centroids_CD is not None:
-        n += B * T
-    if p.outlier_channels_n is not None:
-        n += B * T * p.outlier_channels_n.numel() * 2
+    n = CODE_KINDS[spec.kind].code_nbytes(spec, bits, B, T, D)
+    if spec.centroids:
+        n += B * T  # uint8 index of the nearest centroid per token
+    if spec.outliers:
+        n += B * T * spec.outliers * 2
     if spec.sparse_fraction > 0:
         k = max(1, round(spec.sparse_fraction * T * D))
         n += B * k * ((2 if T * D < 2**15 else 4) + 2)

@@ -17,18 +17,16 @@ from pathlib import Path
 import torch
 
 from calibrate import distributed
-from calibrate.cache import kept_frames
 from calibrate.config import Config, TrajectoriesConfig, resolve_split
 from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.strips import write_strip
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
-from calibrate.fit.fitters import bits_per_element
+from calibrate.memory import memory_section
 from calibrate.fit.objective import LayerTrace
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.recipe import Recipe, load_recipe, save_recipe
-from calibrate.runtime import predicted_cache_bytes
 from calibrate.schemes import BASELINES, KVSample, build_baseline
 from calibrate.adapters import WorldAdapter, as_world
 from calibrate.adapters import load_world as load_adapter
@@ -314,13 +312,6 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         memory=json.dumps(memory_section(recipe, window, sink), sort_keys=True),
     )
     return recipe, record
-
-
-def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:
-    n = window + sink_frames + 32
-    per_frame = predicted_cache_bytes(recipe, n, window, sink_frames) / len(kept_frames(n, window, sink_frames))
-    return {"bits_per_element": bits_per_element(recipe, window, sink_frames), "bytes_per_frame_steady": per_frame,
-            "window": window, "sink_frames": sink_frames, "static_bytes": sum(t.numel() * t.element_size() for t in recipe.tensors.values())}
 
 
 def summary_metrics(rep: dict) -> dict:

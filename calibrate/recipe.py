@@ -49,6 +49,7 @@ OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
                "comp_down", "comp_up", "logit_bias")
 ALLOWED_BITS = (2, 3, 4, 8, 16)
+CODE_KINDS = ("uniform", "codebook")  # TensorSpec.kind; calibrate/codec.py implements each
 
 
 class RecipeError(ValueError):
@@ -130,8 +131,8 @@ def _spec(d: dict, where: str) -> TensorSpec:
     for b in [s.bits] + list(s.head_bits or []):
         if b not in ALLOWED_BITS:
             raise RecipeError(f"{where}.bits: {b} not in {ALLOWED_BITS}")
-    if s.kind not in ("uniform", "codebook"):
-        raise RecipeError(f"{where}.kind: {s.kind!r} is not 'uniform' or 'codebook'")
+    if s.kind not in CODE_KINDS:
+        raise RecipeError(f"{where}.kind: {s.kind!r} is not one of {', '.join(map(repr, CODE_KINDS))}")
     if s.axis not in ("token", "channel"):
         raise RecipeError(f"{where}.axis: {s.axis!r} is not 'token' or 'channel'")
     if s.rotation not in ("none", "hadamard", "learned"):
@@ -174,6 +175,15 @@ class Recipe:
 
     def tensor(self, layer: int, kind: str, role: str) -> torch.Tensor | None:
         return self.tensors.get(f"layers.{layer}.{kind}.{role}")
+
+    def spec(self, layer: int, kind: str) -> TensorSpec:
+        """The `TensorSpec` of `kind` ("k" or "v") in `layer`."""
+        return getattr(self.scheme.layers[layer], kind)
+
+    def layer_tensors(self, layer: int, kind: str) -> dict[str, torch.Tensor]:
+        """Role -> per-head tensor [H, ...] of `kind` in `layer` (what `codec.head_params` reads)."""
+        prefix = f"layers.{layer}.{kind}."
+        return {name[len(prefix):]: t for name, t in self.tensors.items() if name.startswith(prefix)}
 
     def section(self, name: str) -> dict:
         return json.loads(self.metadata.get(name, "{}"))

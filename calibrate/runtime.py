@@ -29,9 +29,10 @@ of a frame attend to the history, the logits of keys held at the spec's own bits
 get minus their expected noise inflation added; the fresh own frame and frames held at other
 widths (float16 recent frames, sink and key frames) are left as they are.
 
-`nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` computes the
-same from the recipe alone, and the two agree at steady state. This module imports only the
-seam, the recipe format and the codec: a runtime can ship without the compiler.
+`nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` asks the memory
+model (memory.py) for the same from the recipe alone, and the two agree at steady state. This
+module imports only the seam, the recipe format, the codec and the memory model: a runtime can
+ship without the compiler.
 """
 
 from __future__ import annotations
@@ -39,26 +40,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope, kept_frames, softmax_attention
-from calibrate.codec import HeadParams, decode, encode, head_params, predicted_nbytes, stored_nbytes
+from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.codec import HeadParams, decode, encode, head_params, stored_nbytes
+from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.logit_noise import logit_inflation
-from calibrate.recipe import Recipe, TensorSpec, TokenPolicy
-
-KINDS = ("k", "v")
-
-
-def is_keyframe(policy: TokenPolicy, index: int) -> bool:
-    """Frame `index` is a key frame: every `keyframe_interval`-th frame from 0 (0 = no key frames)."""
-    return policy.keyframe_interval > 0 and index % policy.keyframe_interval == 0
-
-
-def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> int:
-    """Bits frame `index` of one head is stored at once it leaves the recent window."""
-    if index < policy.sink_frames:
-        return policy.sink_bits
-    if is_keyframe(policy, index):
-        return policy.keyframe_bits
-    return spec.bits_of(head)
+from calibrate.recipe import Recipe, TensorSpec
 
 
 class QuantizedKVCache(KVCache):
@@ -85,12 +71,13 @@ class QuantizedKVCache(KVCache):
         return final_bits(self.policy, self.spec(layer, kind), head, index)
 
     def spec(self, layer: int, kind: str) -> TensorSpec:
-        return getattr(self.recipe.scheme.layers[layer], kind)
+        return self.recipe.spec(layer, kind)
 
     def params(self, layer: int, kind: str, head: int, bits: int) -> HeadParams:
         key = (layer, kind, head, bits)
         if key not in self._params:
-            self._params[key] = head_params(self._recipe_on_device, layer, kind, head, bits)
+            tensors = self._recipe_on_device.layer_tensors(layer, kind)
+            self._params[key] = head_params(self.spec(layer, kind), tensors, head, bits)
         return self._params[key]
 
     # ---- storage -----------------------------------------------------------------------------
@@ -178,27 +165,6 @@ class QuantizedKVCache(KVCache):
         return total
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
-        """Bytes this cache holds after `num_appended` frames, from the recipe alone."""
-        return predicted_cache_bytes(self.recipe, num_appended, self.window, self.sink_frames, batch)
-
-
-def predicted_cache_bytes(recipe: Recipe, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
-    m, pol = recipe.model, recipe.scheme.policy
-    T, D = m.tokens_per_frame, m.head_dim
-    total = 0
-    kept = kept_frames(num_appended, window, sink_frames)
-    for layer, spec_pair in enumerate(recipe.scheme.layers):
-        for kind in KINDS:
-            spec: TensorSpec = getattr(spec_pair, kind)
-            for h in range(m.num_kv_heads):
-                for f in kept:
-                    recent = pol.recent_frames and f >= num_appended - pol.recent_frames
-                    bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
-                    total += predicted_nbytes(spec, head_params(recipe, layer, kind, h, bits), batch, T, D)
-    return total
-
-
-def fp16_cache_bytes(recipe: Recipe, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
-    m = recipe.model
-    frames = len(kept_frames(num_appended, window, sink_frames))
-    return frames * m.num_layers * m.elements_per_frame * 2 * batch
+        """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py)."""
+        return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
+                                     self.sink_frames, batch)

@@ -9,7 +9,8 @@ from calibrate.pipeline import kv_sample
 from calibrate.quant.packing import unpack
 from calibrate.recipe import TensorSpec
 from calibrate.replay import Recorder, ground_truth, model_info, record, rollout_batch
-from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
+from calibrate.memory import fp16_cache_bytes
+from calibrate.runtime import QuantizedKVCache
 from calibrate.schemes import BASELINES, build_baseline
 from calibrate.world.trajectories import make_trajectories
 from calibrate.world.weights import load_weights
@@ -48,7 +49,7 @@ def test_baseline_runs_end_to_end(world, name):
     assert n == FRAMES - 1  # frame 0 is given; frames 1..N-1 are generated, one append each
     measured = cache.nbytes()
     assert measured == cache.predicted_nbytes(n, batch=len(trajs))
-    ratio = measured / fp16_cache_bytes(recipe, n, WINDOW, SINK, batch=len(trajs))
+    ratio = measured / fp16_cache_bytes(recipe.model, n, WINDOW, SINK, batch=len(trajs))
     if name == "fp16":
         assert ratio == 1.0
     else:

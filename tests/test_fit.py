@@ -8,11 +8,11 @@ import torch
 
 from calibrate import pipeline
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
-from calibrate.fit.fitters import bits_per_element
 from calibrate.fit.search import BudgetError
 from calibrate.recipe import load_recipe, save_recipe, to_bytes
 from calibrate.replay import model_info, rollout_batch
-from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
+from calibrate.memory import bits_per_element, fp16_cache_bytes
+from calibrate.runtime import QuantizedKVCache
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.trajectories import make_trajectories
 
@@ -56,7 +56,7 @@ def test_budget_respected_by_measured_bytes(fitted, model):
     trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
     cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
     rollout_batch(model, trajs, cache, torch.device("cpu"))
-    measured = 16.0 * cache.nbytes() / fp16_cache_bytes(recipe, 40, 16, 1)
+    measured = 16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, 40, 16, 1)
     assert cache.nbytes() == cache.predicted_nbytes(40)
     assert measured <= 2.5 + 1e-9
 
@@ -91,5 +91,5 @@ def test_mixed_precision_spends_budget_only_where_it_helps(fitted, model):
     recipe, record = fitted
     off, off_record = pipeline.fit(_cfg(mixed_precision=False), model, torch.device("cpu"))
     assert off_record["upgrades"] == []
-    assert bits_per_element(off, 16, 1) <= bits_per_element(recipe, 16, 1) + 1e-9
+    assert bits_per_element(off.model, off.scheme, 16, 1) <= bits_per_element(recipe.model, recipe.scheme, 16, 1) + 1e-9
     assert all(u["gain"] > 0 for u in record["upgrades"])

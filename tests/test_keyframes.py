@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from calibrate.config import Config, FitConfig, validate
-from calibrate.fit.fitters import bits_per_element
 from calibrate.fit.search import KEYFRAME_BITS, _policy_candidates
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
-from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
+from calibrate.memory import bits_per_element, fp16_cache_bytes
+from calibrate.runtime import QuantizedKVCache
 
 from test_runtime import B, D, H, INFO, T, frame_bits, kv_frames
 
@@ -72,14 +72,14 @@ def test_budget_counts_the_worst_phase_of_the_window():
     budget figure is the larger, so the measured cache never exceeds it; without the max the
     first phase alone would be below it at some frames."""
     recipe = recipe_with(TokenPolicy(sink_frames=0, keyframe_interval=5, keyframe_bits=8))
-    budget = bits_per_element(recipe, 16, 1)
+    budget = bits_per_element(recipe.model, recipe.scheme, 16, 1)
     cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
     measured = []
     for n, (q, k, v, rope) in enumerate(kv_frames(60), start=1):
         for layer in range(INFO.num_layers):
             cache.attend(layer, q, k, v, rope)
         if n >= 17:
-            measured.append(16.0 * cache.nbytes() / fp16_cache_bytes(recipe, n, 16, 1, batch=B))
+            measured.append(16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, n, 16, 1, batch=B))
     assert max(measured) == pytest.approx(budget, abs=1e-9)
     assert min(measured) < budget - 0.1
 

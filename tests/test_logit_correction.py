@@ -9,8 +9,7 @@ import torch
 
 import calibrate
 from calibrate.cache import Rope, softmax_attention
-from calibrate.codec import fake_quant, head_params
-from calibrate.fit.fitters import fake_quant_heads
+from calibrate.codec import fake_quant, fake_quant_heads, head_params
 from calibrate.fit.logit_correction import key_error_variance, logit_shift
 from calibrate.fit.objective import LayerTrace, attention_outputs
 from calibrate.quant.logit_noise import key_noise_variance, logit_inflation
@@ -211,7 +210,7 @@ def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path
 
 
 def test_byte_accounting_counts_the_correction_as_static_bytes():
-    from calibrate.pipeline import memory_section
+    from calibrate.memory import memory_section
 
     info = ModelInfo("toy", num_layers=2, num_kv_heads=H, head_dim=D, tokens_per_frame=T, fingerprint="toy")
     plain = build_baseline("quarot2", info)

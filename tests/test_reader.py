@@ -152,7 +152,7 @@ def test_codebook_decode_matches_codec(tmp_path):
         spec = getattr(recipe.scheme.layers[1], kind)
         spec_plain = TensorSpec(**{**asdict(spec), "sparse_fraction": 0.0})  # codes only, no sparse overlay
         for h in range(INFO.num_kv_heads):
-            p = head_params(recipe, 1, kind, h)
+            p = head_params(recipe.spec(1, kind), recipe.layer_tensors(1, kind), h)
             stored = encode(x, spec_plain, p)
             codes = reader.unpack(_np(stored["codes"]), 2, 16)
             levels = tensors[f"layers.1.{kind}.codebook"][h]

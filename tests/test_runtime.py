@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from calibrate.cache import KVCache, Rope, kept_frames
-from calibrate.codec import decode, encode, fake_quant, head_params, predicted_nbytes, stored_nbytes
+from calibrate.codec import decode, encode, fake_quant, frame_nbytes, head_params, stored_nbytes
 from calibrate.quant.packing import unpack
 from calibrate.quant.rotation import random_hadamard
 from calibrate.recipe import (ModelInfo, Recipe, RecipeError, TensorSpec, TokenPolicy, expected_shapes, save_recipe,
@@ -100,11 +100,11 @@ def test_packed_encode_decode_equals_fake_quant(name):
     recipe = toy_recipe(spec, clip=[0.95, 0.85] if name == "everything" else None)
     x = frame(1)
     for h in range(H):
-        p = head_params(recipe, 0, "k", h)
+        p = head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), h)
         stored = encode(x, spec, p)
         ref, codes = fake_quant(x, spec, p)
         torch.testing.assert_close(decode(stored, spec, p, D), ref, atol=1e-6, rtol=0)
-        assert stored_nbytes(stored) == predicted_nbytes(spec, p, B, T, D)
+        assert stored_nbytes(stored) == frame_nbytes(spec, p.bits, B, T, D)
         if p.bits == 16:
             assert codes is None and set(stored) == {"fp16"}
             continue
@@ -118,7 +118,7 @@ def test_more_bits_less_error():
     errs = []
     for b in (2, 3, 4, 8):
         spec = TensorSpec(bits=b, group_size=8)
-        ref, _ = fake_quant(x, spec, head_params(toy_recipe(spec), 0, "k", 0))
+        ref, _ = fake_quant(x, spec, head_params(spec, toy_recipe(spec).layer_tensors(0, "k"), 0))
         errs.append((ref - x).pow(2).mean().item())
     assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-4 * x.pow(2).mean().item()
 
@@ -130,7 +130,7 @@ def test_zero_and_constant_frames_are_finite(name, value):
     recipe = toy_recipe(spec)
     x = torch.full((B, T, D), value)
     for h in range(H):
-        p = head_params(recipe, 0, "k", h)
+        p = head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), h)
         out = decode(encode(x, spec, p), spec, p, D)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, fake_quant(x, spec, p)[0], atol=1e-6, rtol=0)
@@ -143,7 +143,7 @@ def test_zero_and_constant_frames_are_finite(name, value):
 @pytest.mark.parametrize("spec", [TensorSpec(bits=2), TensorSpec(bits=2, symmetric=True), TensorSpec(bits=2, kind="codebook")],
                          ids=["asym", "sym", "codebook"])
 def test_zero_frame_stores_a_positive_scale(spec):
-    p = head_params(toy_recipe(spec), 0, "k", 0)
+    p = head_params(spec, toy_recipe(spec).layer_tensors(0, "k"), 0)
     stored = encode(torch.zeros(B, T, D), spec, p)
     assert (stored["p_scale"].float() > 0).all()
 
@@ -159,14 +159,14 @@ def test_static_scale_is_recut_for_other_widths(symmetric):
     # a sink/key frame stored at 8 bits keeps the calibrated 2-bit range, split into 256 steps
     recipe = toy_recipe(TensorSpec(bits=2, axis="channel", static=True, symmetric=symmetric))
     scale2 = recipe.tensor(0, "k", "scale")[1]
-    p8 = head_params(recipe, 0, "k", 1, bits=8)
+    p8 = head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 1, bits=8)
     if symmetric:  # range [-2 scale, 2 scale) -> [-128 s8, 128 s8)
         torch.testing.assert_close(p8.scale_D * 128, scale2 * 2)
     else:  # range [zero, zero + 3 scale] -> [zero, zero + 255 s8]
         torch.testing.assert_close(p8.scale_D * 255, scale2 * 3)
     assert torch.equal(p8.zero_D, recipe.tensor(0, "k", "zero_point")[1])
     x = frame(4)
-    err2 = (fake_quant(x, recipe.scheme.layers[0].k, head_params(recipe, 0, "k", 1))[0] - x).abs().mean()
+    err2 = (fake_quant(x, recipe.scheme.layers[0].k, head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 1))[0] - x).abs().mean()
     err8 = (fake_quant(x, recipe.scheme.layers[0].k, p8)[0] - x).abs().mean()
     assert err8 < err2 / 4
 
@@ -174,9 +174,9 @@ def test_static_scale_is_recut_for_other_widths(symmetric):
 def test_codebook_rows_for_other_widths():
     recipe = toy_recipe(TensorSpec(bits=3, kind="codebook"))
     row = recipe.tensor(0, "k", "codebook")[0]
-    assert torch.equal(head_params(recipe, 0, "k", 0).levels_L, row)
-    assert torch.equal(head_params(recipe, 0, "k", 0, bits=2).levels_L, row[[0, 2, 5, 7]])  # rne(0, 2.33, 4.67, 7)
-    assert torch.equal(head_params(recipe, 0, "k", 0, bits=4).levels_L, torch.linspace(-1, 1, 16))
+    assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0).levels_L, row)
+    assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0, bits=2).levels_L, row[[0, 2, 5, 7]])  # rne(0, 2.33, 4.67, 7)
+    assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0, bits=4).levels_L, torch.linspace(-1, 1, 16))
 
 
 # ---- QuantizedKVCache --------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_token_policy_classes_and_re_encoding():
         for h in range(H):
             for kind, x, got in (("k", rope.apply(k), got_k), ("v", v, got_v)):
                 layer_spec = getattr(recipe.scheme.layers[1], kind)
-                p = head_params(recipe, 1, kind, h, expected_bits(f, n, h))
+                p = head_params(recipe.spec(1, kind), recipe.layer_tensors(1, kind), h, expected_bits(f, n, h))
                 want, _ = fake_quant(x[:, h].half().float(), layer_spec, p)
                 torch.testing.assert_close(got[:, h], want, atol=1e-6, rtol=0)
 

@@ -43,6 +43,7 @@ from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.io import write_text_atomic
+from calibrate.memory import memory_section
 from calibrate.recipe import save_recipe
 from calibrate.replay import model_info, rollout_batch
 from calibrate.runtime import QuantizedKVCache
@@ -89,8 +90,8 @@ def row(name: str, rep: dict, recipe, record: dict, cpu_ms: float, window: int, 
         "first_below_30db": min(firsts) if firsts else None,
         "attention_kl": sum(kl) / len(kl) if kl else None,
         "bits_measured": s["memory"]["bits_per_element"],
-        "bits_budgeted": pipeline.memory_section(recipe, window, sink)["bits_per_element"],
-        "static_bytes": pipeline.memory_section(recipe, window, sink)["static_bytes"],
+        "bits_budgeted": memory_section(recipe, window, sink)["bits_per_element"],
+        "static_bytes": memory_section(recipe, window, sink)["static_bytes"],
         "cpu_ms_per_frame": cpu_ms,
         "keyframes": f"every {policy.keyframe_interval} at {policy.keyframe_bits} bits" if policy.keyframe_interval else "none",
         "compensators": len(record.get("compensators", [])),

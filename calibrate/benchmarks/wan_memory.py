@@ -3,7 +3,7 @@
     python -m calibrate.benchmarks.wan_memory [--out artifacts/benchmarks]
 
 No weights are needed: the runtime predicts a cache's bytes from a recipe and the model's shape
-alone (`runtime.predicted_cache_bytes`, which a test checks equals the bytes measured from the
+alone (`memory.predicted_cache_bytes`, which a test checks equals the bytes measured from the
 packed tensors). Shape of Wan2.1-T2V-1.3B (and its causal fine-tunes Self-Forcing, CausVid):
 30 layers x 12 heads x head_dim 128; a 480x832 video is 60x104 latents, patches 1x2x2, so
 1560 tokens per latent frame; chunks of 3 latent frames (one cache frame = 4680 tokens).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from calibrate.io import write_text_atomic
 from calibrate.recipe import ModelInfo
-from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
+from calibrate.memory import fp16_cache_bytes, predicted_cache_bytes
 from calibrate.schemes import build_baseline
 
 WAN_1_3B = ModelInfo(name="wan2.1-t2v-1.3b", num_layers=30, num_kv_heads=12, head_dim=128,
@@ -37,12 +37,12 @@ def table(info: ModelInfo, windows=WINDOWS, sink: int = 1) -> list[dict]:
     recipes = {name: build_baseline(name, info) for name in SCHEMES}
     for w in windows:
         frames = w + sink + 8  # a rollout long enough that eviction has reached steady state
-        fp16 = fp16_cache_bytes(recipes["fp16"], frames, w, sink)
+        fp16 = fp16_cache_bytes(recipes["fp16"].model, frames, w, sink)
         row = {"window_chunks": w, "latent_frames_cached": 3 * (w + sink), "fp16_gib": fp16 / GIB,
                "fitted_2.5bit_gib": fp16 * BUDGET_BITS / 16 / GIB}
         for name, recipe in recipes.items():
             if name != "fp16":
-                row[f"{name}_gib"] = predicted_cache_bytes(recipe, frames, w, sink) / GIB
+                row[f"{name}_gib"] = predicted_cache_bytes(recipe.model, recipe.scheme, frames, w, sink) / GIB
         rows.append(row)
     return rows
 
@@ -57,7 +57,7 @@ def markdown(rows: list[dict], info: ModelInfo) -> str:
         f"- shape: {info.num_layers} layers x {info.num_kv_heads} heads x head_dim {info.head_dim}; "
         f"{info.tokens_per_frame} tokens per cache frame (a chunk of 3 latent frames of 1560 tokens, 480x832 video); "
         "1 sink chunk",
-        "- bytes of the baselines from their recipes (`runtime.predicted_cache_bytes`, equal to the packed tensors' "
+        "- bytes of the baselines from their recipes (`memory.predicted_cache_bytes`, equal to the packed tensors' "
         "bytes); the fitted recipe at its budget of 2.5 bits/element",
         "",
         "| window (chunks) | latent frames cached | " + " | ".join(c.removesuffix("_gib") + " GiB" for c in cols) + " |",

@@ -26,7 +26,8 @@ from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe
 from calibrate.replay import World, batches, rollout_batch
-from calibrate.runtime import QuantizedKVCache, fp16_cache_bytes
+from calibrate.memory import fp16_cache_bytes
+from calibrate.runtime import QuantizedKVCache
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import Trajectory, revisit_pairs
 
@@ -125,7 +126,7 @@ def evaluate(model: World, recipes: dict[str, Recipe], trajs: list[Trajectory], 
                 results = _traj_results(group, ref, quant, truth)
                 n = group[0].num_frames
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
-                          "fp16_bytes": fp16_cache_bytes(recipes[name], n, window, sink_frames, len(group))}
+                          "fp16_bytes": fp16_cache_bytes(recipes[name].model, n, window, sink_frames, len(group))}
                 attn = fp_cache.errors[name].sums if attention else {}
                 if path is not None:
                     _save_partial(path, results, memory, attn)

@@ -24,11 +24,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from calibrate.codec import HeadParams, fake_quant, head_params
+from calibrate.codec import fake_quant_heads
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.quant import rotation as rot
-from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec
-from calibrate.runtime import fp16_cache_bytes, predicted_cache_bytes
+from calibrate.recipe import TensorSpec
 
 
 @dataclass
@@ -38,6 +37,7 @@ class Choice:
     spec: TensorSpec
     tensors: dict[str, Tensor]  # role -> [H, ...]
     score: float  # objective (sum over heads) at this choice
+    clip_H: Tensor  # the fitted clipping ratio per head (static ranges are re-cut from it per width)
     reasons: dict = field(default_factory=dict)
 
 
@@ -54,23 +54,6 @@ def rotations(kind: str, layer: int, gram_HDD: Tensor, names: list[str]) -> dict
             _, evecs = torch.linalg.eigh(gram_HDD.double())
             out[name] = evecs.flip(-1).float().contiguous()
     return out
-
-
-def params_of(spec: TensorSpec, tensors: dict[str, Tensor], h: int, bits: int) -> HeadParams:
-    """HeadParams of head h stored at `bits`, exactly as the runtime derives them from a recipe."""
-    H = next(iter(tensors.values())).shape[0] if tensors else h + 1
-    info = ModelInfo("fit", 1, H, 0, 0, "")
-    recipe = Recipe(info, Scheme("fit", [LayerSpec(k=spec, v=spec)]), {f"layers.0.k.{r}": t for r, t in tensors.items()})
-    return head_params(recipe, 0, "k", h, bits)
-
-
-def fake_quant_heads(x_BHFTD: Tensor, spec: TensorSpec, tensors: dict[str, Tensor], bits: list[int]) -> Tensor:
-    B, H, F, T, D = x_BHFTD.shape
-    out = []
-    for h in range(H):
-        y = x_BHFTD[:, h].reshape(B * F, T, D)
-        out.append(fake_quant(y, spec, params_of(spec, tensors, h, bits[h]))[0].reshape(B, F, T, D))
-    return torch.stack(out, dim=1)
 
 
 def static_ranges(x_HND: Tensor, rotation_HDD: Tensor | None, clip_H: Tensor, bits: int) -> tuple[Tensor, Tensor]:
@@ -131,7 +114,8 @@ def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, othe
             table[f"{rname}/{gran}/minmax"] = round(float(scores_CH[clip_grid.index(1.0)].sum()), 6) if 1.0 in clip_grid else None
             if best is None or score < best.score:
                 spec, tensors = _candidate(gran, rname, R, clip_H, sample_HND, D)
-                best = Choice(spec, tensors, score, {"rotation": rname, "granularity": gran, "clip": clip_H.tolist()})
+                best = Choice(spec, tensors, score, clip_H,
+                              {"rotation": rname, "granularity": gran, "clip": clip_H.tolist()})
     assert best is not None
     best.reasons["why"] = "lowest teacher-forced objective over the candidates (rotation/granularity: score)"
     best.reasons["candidates"] = table
@@ -148,7 +132,7 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
                    sparse_fraction=sparse_fraction, comp_rank=0 if comp is None else comp[0].shape[-1])
     tensors = dict(choice.tensors)
     if spec.axis == "channel" and spec.static:
-        clip_H = torch.tensor(choice.reasons["clip"])
+        clip_H = choice.clip_H
         parts = [static_ranges(sample_HND[h : h + 1], None if "rotation" not in tensors else tensors["rotation"][h : h + 1],
                                clip_H[h : h + 1], b) for h, b in enumerate(head_bits)]
         tensors["scale"] = torch.cat([p[0] for p in parts])
@@ -163,16 +147,4 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
     return spec, tensors
 
 
-def bits_per_element(recipe: Recipe, window: int, sink_frames: int) -> float:
-    """Average stored bits per cached K/V element at steady state (every per-frame byte counted).
-
-    With key frames the kept window holds more or fewer of them as it slides; the figure is the
-    largest over one key-frame interval, so the cache never holds more than the budget.
-    """
-    n0 = window + sink_frames + 32
-    fp16 = fp16_cache_bytes(recipe, n0, window, sink_frames)
-    phases = max(recipe.scheme.policy.keyframe_interval, 1)
-    return max(16.0 * predicted_cache_bytes(recipe, n, window, sink_frames) / fp16 for n in range(n0, n0 + phases))
-
-
-__all__ = ["Choice", "fit_tensor", "with_bits", "bits_per_element", "fake_quant_heads", "outlier_channels"]
+__all__ = ["Choice", "fit_tensor", "with_bits", "outlier_channels"]

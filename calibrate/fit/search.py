@@ -34,12 +34,12 @@ import torch
 from tqdm import tqdm
 
 from calibrate.config import FitConfig
-from calibrate.codec import fake_quant
+from calibrate.codec import fake_quant, fake_quant_heads, head_params
 from calibrate.fit.compensate import fit_compensator
-from calibrate.fit.fitters import (Choice, bits_per_element, fake_quant_heads, fit_tensor, outlier_channels, params_of,
-                                   with_bits)
+from calibrate.fit.fitters import Choice, fit_tensor, outlier_channels, with_bits
 from calibrate.fit.logit_correction import fit_logit_correction, logit_shift
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
+from calibrate.memory import bits_per_element
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TokenPolicy
 from calibrate.stats import KVStats
 from calibrate.stats_report import anchor_frames
@@ -163,7 +163,7 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
         states.append({"k": k_state, "v": TensorState(v_choice, v_samples[layer], [2] * H)})
         record["layers"].append({"k": k_choice.reasons, "v": v_choice.reasons})
     base = assemble(info, states, policy)
-    base_bits = bits_per_element(base, window, sink_frames)
+    base_bits = bits_per_element(info, base.scheme, window, sink_frames)
     if base_bits > cfg.budget_bits + 1e-9:
         raise BudgetError(f"fit.budget_bits={cfg.budget_bits} is below what 2-bit codes with their parameters need "
                           f"({base_bits:.3f} bits/element for this model and token policy)")
@@ -179,7 +179,7 @@ def fit_recipe(info: ModelInfo, traces: list[LayerTrace], stats: KVStats | None,
             traces, [st["k"] for st in states], lambda l: layer_scores(traces[l], refs[l], states[l], policy, lam))
     record["policy"] = asdict(policy)
     recipe = assemble(info, states, policy)
-    record["bits_per_element"] = bits_per_element(recipe, window, sink_frames)
+    record["bits_per_element"] = bits_per_element(info, recipe.scheme, window, sink_frames)
     return recipe, record, base
 
 
@@ -203,7 +203,7 @@ def _compensate(traces, refs, states, policy, cfg: FitConfig) -> list[dict]:
             downs, ups = [], []
             for h, bits in enumerate(s.head_bits):
                 x = s.sample_HND[h]
-                x_hat = fake_quant(x.unsqueeze(0), spec, params_of(spec, tensors, h, bits))[0][0]
+                x_hat = fake_quant(x.unsqueeze(0), spec, head_params(spec, tensors, h, bits))[0][0]
                 R = tensors.get("rotation")
                 y, y_hat = (x, x_hat) if R is None else (x @ R[h], x_hat @ R[h])
                 down, up = fit_compensator(y, y_hat, cfg.comp_rank)
@@ -276,7 +276,7 @@ def _policy_candidates(policy: TokenPolicy, cfg: FitConfig) -> list[TokenPolicy]
 def _allocate(info, traces, refs, states, policy, cfg: FitConfig, window, sink_frames):
     """Greedy mixed precision: best objective gain per extra bit until the budget is spent."""
     lam = cfg.lambda_temporal
-    bits_of = lambda pol: bits_per_element(assemble(info, states, pol), window, sink_frames)
+    bits_of = lambda pol: bits_per_element(info, assemble(info, states, pol).scheme, window, sink_frames)
     scores = [layer_scores(t, refs[l], states[l], policy, lam) for l, t in enumerate(traces)]
     options = {l: _layer_options(l, t, refs[l], states[l], policy, cfg, scores[l]) for l, t in enumerate(traces)}
     # per-layer scores under each candidate policy; a layer's entries are dropped when it changes

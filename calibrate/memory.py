@@ -1,0 +1,94 @@
+"""The memory model: at which precision a cache holds each frame, and how many bytes that is.
+
+Everything that speaks of a quantized cache's size asks here: the runtime (`predicted_nbytes`,
+held to its measured `nbytes`), the fitter (the bit budget it spends), the pipeline (the
+recipe's `memory` metadata) and the reports (the float16 reference). Bytes are counted from a
+model's shape and a recipe's scheme alone; the bytes of one head of one frame come from the
+codec (`codec.frame_nbytes`, next to the `encode` they describe).
+
+Precision of frame `index` of one head (the token policy, `recipe.TokenPolicy`): the newest
+`recent_frames` frames at `recent_bits`; once older, the first `sink_frames` frames at
+`sink_bits`, every `keyframe_interval`-th frame at `keyframe_bits`, every other frame at the
+spec's bits for the head. Which frames are held at all is the cache's window and sink policy
+(`cache.kept_frames`).
+
+Steady state: a budget or a bytes-per-frame figure is taken `STEADY_STATE_MARGIN` frames after
+the window first fills, where every class of the policy is present and the window slides.
+"""
+
+from __future__ import annotations
+
+from calibrate.cache import kept_frames
+from calibrate.codec import frame_nbytes
+from calibrate.recipe import ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
+
+KINDS = ("k", "v")
+STEADY_STATE_MARGIN = 32  # frames past a full window (sinks + window) where bytes are measured
+
+
+def is_keyframe(policy: TokenPolicy, index: int) -> bool:
+    """Frame `index` is a key frame: every `keyframe_interval`-th frame from 0 (0 = no key frames)."""
+    return policy.keyframe_interval > 0 and index % policy.keyframe_interval == 0
+
+
+def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> int:
+    """Bits frame `index` of one head is stored at once it leaves the recent window."""
+    if index < policy.sink_frames:
+        return policy.sink_bits
+    if is_keyframe(policy, index):
+        return policy.keyframe_bits
+    return spec.bits_of(head)
+
+
+def steady_state_frames(window: int, sink_frames: int) -> int:
+    """Frames appended when a cache with this window and sinks is measured at steady state."""
+    return window + sink_frames + STEADY_STATE_MARGIN
+
+
+def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
+                          batch: int = 1) -> int:
+    """Bytes a `QuantizedKVCache` of this scheme holds after `num_appended` frames."""
+    pol = scheme.policy
+    T, D = model.tokens_per_frame, model.head_dim
+    total = 0
+    kept = kept_frames(num_appended, window, sink_frames)
+    for pair in scheme.layers:
+        for kind in KINDS:
+            spec: TensorSpec = getattr(pair, kind)
+            for h in range(model.num_kv_heads):
+                for f in kept:
+                    recent = pol.recent_frames and f >= num_appended - pol.recent_frames
+                    bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
+                    total += frame_nbytes(spec, bits, batch, T, D)
+    return total
+
+
+def fp16_cache_bytes(model: ModelInfo, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
+    """Bytes of the same frames held in float16: the reference every ratio is taken to."""
+    frames = len(kept_frames(num_appended, window, sink_frames))
+    return frames * model.num_layers * model.elements_per_frame * 2 * batch
+
+
+def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames: int) -> float:
+    """Average stored bits per cached K/V element at steady state (every per-frame byte counted).
+
+    With key frames the kept window holds more or fewer of them as it slides; the figure is the
+    largest over one key-frame interval, so the cache never holds more than the budget.
+    """
+    n0 = steady_state_frames(window, sink_frames)
+    fp16 = fp16_cache_bytes(model, n0, window, sink_frames)
+    phases = max(scheme.policy.keyframe_interval, 1)
+    return max(16.0 * predicted_cache_bytes(model, scheme, n, window, sink_frames) / fp16
+               for n in range(n0, n0 + phases))
+
+
+def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:
+    """The recipe's `memory` metadata: budgeted bits/element, bytes per frame at steady state,
+    and the bytes of its static tensors (rotations, ranges, compensators: paid once)."""
+    n = steady_state_frames(window, sink_frames)
+    per_frame = (predicted_cache_bytes(recipe.model, recipe.scheme, n, window, sink_frames)
+                 / len(kept_frames(n, window, sink_frames)))
+    return {"bits_per_element": bits_per_element(recipe.model, recipe.scheme, window, sink_frames),
+            "bytes_per_frame_steady": per_frame, "window": window, "sink_frames": sink_frames,
+            "static_bytes": sum(t.numel() * t.element_size() for t in recipe.tensors.values())}
+
