@@ -6,12 +6,20 @@ those keys, and gets back the attention output over everything the cache holds:
 
     out_BHTD = cache.attend(layer, q_BHTD, k_BHTD, v_BHTD, key_rope)
 
-`attend` appends the frame's K/V to the layer's history (applying the rotary encoding at the
-moment the implementation chooses: full-precision caches store post-rotary keys), evicts
-what the token policy no longer keeps, and runs softmax attention of `q` over the kept
-frames, the new frame included. Recording, fake quantization, the packed runtime, windows,
-sink frames and refresh policies are all implementations of this one class; the model does
-not know which one it has.
+`attend` is written once, here, for every cache:
+
+1. `append` stores the frame's K/V (`_store`, post-rotary keys) and evicts what the token
+   policy no longer keeps;
+2. `gather` returns the keys/values the frame attends to: the kept history as stored
+   (`_load`), then the frame's own fresh K/V (the runtime quantizes only what it stores);
+3. `logits` scores them (`attention_logits`, plus the cache's `logit_bias`), and the output is
+   the softmax of the logits times the values;
+4. `observe` is handed all of it as an `Attended` record.
+
+Implementations change how a frame is stored and read back (`_store`/`_load`: the packed
+runtime), the logit bias (the runtime's key-noise correction), or what they observe (recording
+statistics, shadowing quantized caches); none rewrites `attend`, so recording or shadowing can
+never change a rollout. The model does not know which cache it has.
 
 Shape legend: B batch (trajectories rolled out together), H kv heads, T tokens of one frame,
 D head_dim, N cached tokens (frames x T), F cached frames.
@@ -74,20 +82,42 @@ def attention_logits(q_BHTD: Tensor, k_BHND: Tensor, bias_BHTN: Tensor | None = 
     return logits_BHTN if bias_BHTN is None else logits_BHTN + bias_BHTN
 
 
+def attention_output(logits_BHTN: Tensor, v_BHND: Tensor) -> Tensor:
+    """softmax(logits) @ v: the attention output of the rows of `logits`."""
+    return torch.einsum("bhtn,bhnd->bhtd", logits_BHTN.softmax(dim=-1), v_BHND)
+
+
 def softmax_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor, bias_BHTN: Tensor | None = None) -> Tensor:
     """Plain scaled dot-product attention of one frame's queries over the cached tokens.
 
     `bias_BHTN` is added to the logits (the runtime's key-noise logit correction); None = none.
     """
-    logits_BHTN = attention_logits(q_BHTD, k_BHND, bias_BHTN)
-    return torch.einsum("bhtn,bhnd->bhtd", logits_BHTN.softmax(dim=-1), v_BHND)
+    return attention_output(attention_logits(q_BHTD, k_BHND, bias_BHTN), v_BHND)
+
+
+@dataclass(frozen=True)
+class Attended:
+    """One `attend` call as `KVCache.observe` sees it (N = tokens of `frames`)."""
+
+    layer: int
+    index: int  # the frame just appended
+    frames: list[int]  # frames of the keys attended to, oldest first; the fresh frame `index` last
+    q_BHTD: Tensor
+    k_BHTD: Tensor  # the frame's keys as the model passed them (pre-rotary)
+    v_BHTD: Tensor
+    key_rope: Rope
+    k_rot_BHTD: Tensor  # the same keys post-rotary (what a cache stores)
+    k_BHND: Tensor  # every key attended to, post-rotary, as the cache holds it (fresh frame last)
+    v_BHND: Tensor
+    logits_BHTN: Tensor  # attention logits, the cache's bias included
+    out_BHTD: Tensor  # what `attend` returns
 
 
 class KVCache:
     """Base class and the full-precision implementation (sink frames + rolling window).
 
-    Subclasses change how a frame is stored (`_store`) and read back (`_load`) or override
-    `attend` as a whole; the eviction bookkeeping lives here once.
+    Subclasses change how a frame is stored (`_store`) and read back (`_load`), the logit bias
+    (`logit_bias`) or what they `observe`; `attend` and the eviction bookkeeping live here once.
     """
 
     def __init__(self, num_layers: int, window: int = 16, sink_frames: int = 1):
@@ -105,9 +135,19 @@ class KVCache:
     # ---- the seam -------------------------------------------------------------------
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
         """Append this frame's K/V to `layer`, evict, and attend `q` over what is kept."""
-        self.append(layer, k_BHTD, v_BHTD, key_rope)
-        k_BHND, v_BHND = self.read(layer)
-        return softmax_attention(q_BHTD, k_BHND, v_BHND)
+        index = self.append(layer, k_BHTD, v_BHTD, key_rope)
+        k_rot_BHTD = key_rope.apply(k_BHTD)
+        history = self.history(layer)
+        k_BHND, v_BHND = self.read_with(layer, history, k_rot_BHTD, v_BHTD)
+        logits_BHTN = self.logits(layer, q_BHTD, k_BHND, history)
+        out_BHTD = attention_output(logits_BHTN, v_BHND)
+        self.observe(Attended(layer, index, history + [index], q_BHTD, k_BHTD, v_BHTD, key_rope, k_rot_BHTD,
+                              k_BHND, v_BHND, logits_BHTN, out_BHTD))
+        return out_BHTD
+
+    def observe(self, seen: Attended) -> None:
+        """Called by `attend` with everything it read and computed (recording, shadowing); the
+        full-precision cache observes nothing."""
 
     def attend_uncommitted(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
         """Attend as `attend` would, but store nothing (the denoising passes of a diffusion model).
@@ -118,7 +158,22 @@ class KVCache:
         new = self._num_appended[layer]
         visible = [f for f in kept_frames(new + 1, self.window, self.sink_frames) if f != new]
         k_BHND, v_BHND = self.read_with(layer, visible, key_rope.apply(k_BHTD), v_BHTD)
-        return softmax_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD, visible))
+        return attention_output(self.logits(layer, q_BHTD, k_BHND, visible), v_BHND)
+
+    def history(self, layer: int) -> list[int]:
+        """Frames the newest frame of `layer` attends to besides itself, oldest first."""
+        newest = self._num_appended[layer] - 1
+        return [f for f in self.frame_indices(layer) if f != newest]
+
+    def gather(self, layer: int, k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values the newest frame attends to: its `history` as held + its own fresh (post-rotary) K/V."""
+        return self.read_with(layer, self.history(layer), k_new_BHTD, v_new_BHTD)
+
+    def logits(self, layer: int, q_BHTD: Tensor, k_BHND: Tensor, frames: list[int] | None = None) -> Tensor:
+        """Attention logits of `q` over `k_BHND` = the keys of `frames` (default: `history`) then
+        the fresh frame's: `attention_logits` plus this cache's `logit_bias`. Every cache, and
+        every observer comparing caches, scores attention through this one function."""
+        return attention_logits(q_BHTD, k_BHND, self.logit_bias(layer, q_BHTD, frames))
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
         """Additive attention logits for `frames` then the fresh frame (None: full precision, none)."""

@@ -1,18 +1,17 @@
 """Drive a world model over trajectories through a cache, and record what the cache sees.
 
-`RecordingCache` is the full-precision cache plus observers: at cache-write time it feeds
-every layer's K and V (post-rotary) to the streaming `KVStats`, offers Q/K/V tokens to bounded
-reservoirs, adds the attention mass per cached frame (for sink/anchor detection) and,
-optionally, keeps a bounded *trace* of whole frames (Q, K, V per layer) that the fitters
-replay teacher-forced. The attention output it returns is computed exactly as the plain
-`KVCache` computes it, so recording never changes a rollout (a test checks bitwise equality).
+`RecordingCache` is the full-precision cache plus an observer (`KVCache.observe`): for every
+attended frame it feeds each layer's K and V (post-rotary) to the streaming `KVStats`, offers
+Q/K/V tokens to bounded reservoirs, adds the attention mass per cached frame (for sink/anchor
+detection, from the very logits `attend` used) and, optionally, keeps a bounded *trace* of
+whole frames (Q, K, V per layer) that the fitters replay teacher-forced. It does not touch
+`attend`, so recording never changes a rollout (a test checks bitwise equality).
 
 Non-finite K/V stop the replay with the layer, head and frame where they appeared.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from calibrate.adapters import WorldAdapter, as_world
-from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.cache import Attended, KVCache
 from calibrate.recipe import ModelInfo
 from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
 from calibrate.world.model import TinyWorld
@@ -88,32 +87,27 @@ class Recorder:
 
 
 class RecordingCache(KVCache):
+    """The full-precision cache, observed: every attended frame feeds the recorder (and the trace)."""
+
     def __init__(self, num_layers: int, window: int, sink_frames: int, recorder: Recorder, trace: Trace | None = None):
         super().__init__(num_layers, window, sink_frames)
         self.recorder = recorder
         self.trace = trace
 
-    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
-        index = self._num_appended[layer]
-        _check_finite(layer, index, k_BHTD, "K")
-        _check_finite(layer, index, v_BHTD, "V")
-        # what KVCache.attend does, with the kept K/V read once for the output and the statistics
-        self.append(layer, k_BHTD, v_BHTD, key_rope)
-        k_all, v_all = self.read(layer)
-        out = softmax_attention(q_BHTD, k_all, v_all)
-        rec = self.recorder
-        k_post = key_rope.apply(k_BHTD)
-        rec.stats.update(layer, k_post, v_BHTD, index)
-        logits = torch.einsum("bhtd,bhnd->bhtn", q_BHTD, k_all) / math.sqrt(q_BHTD.shape[-1])
-        rec.stats.update_attention(layer, frame_mass(logits.softmax(-1), q_BHTD.shape[2]), self.frame_indices(layer), index)
-        rec.q.update(layer, q_BHTD)
-        rec.k.update(layer, k_post)
-        rec.v.update(layer, v_BHTD)
+    def observe(self, seen: Attended) -> None:
+        layer, index, rec = seen.layer, seen.index, self.recorder
+        _check_finite(layer, index, seen.k_BHTD, "K")
+        _check_finite(layer, index, seen.v_BHTD, "V")
+        rec.stats.update(layer, seen.k_rot_BHTD, seen.v_BHTD, index)
+        mass = frame_mass(seen.logits_BHTN.softmax(-1), seen.q_BHTD.shape[2])
+        rec.stats.update_attention(layer, mass, seen.frames, index)
+        rec.q.update(layer, seen.q_BHTD)
+        rec.k.update(layer, seen.k_rot_BHTD)
+        rec.v.update(layer, seen.v_BHTD)
         if self.trace is not None and index < rec.trace_frames:
-            self.trace.q[layer].append(q_BHTD.detach().cpu())
-            self.trace.k[layer].append(k_post.detach().cpu())
-            self.trace.v[layer].append(v_BHTD.detach().cpu())
-        return out
+            self.trace.q[layer].append(seen.q_BHTD.detach().cpu())
+            self.trace.k[layer].append(seen.k_rot_BHTD.detach().cpu())
+            self.trace.v[layer].append(seen.v_BHTD.detach().cpu())
 
 
 def _check_finite(layer: int, frame: int, x_BHTD: Tensor, what: str) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope, softmax_attention
+from calibrate.cache import KVCache, Rope
 from calibrate.codec import HeadParams, decode, encode, head_params, stored_nbytes
 from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.logit_noise import logit_inflation
@@ -121,20 +121,6 @@ class QuantizedKVCache(KVCache):
             k, v = self._load(layer, leaving, self._frames[layer][leaving])
             self._frames[layer][leaving] = self._store_final(layer, leaving, k, v)
         return index
-
-    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
-        self.append(layer, k_BHTD, v_BHTD, key_rope)
-        k_BHND, v_BHND = self.gather(layer, key_rope.apply(k_BHTD), v_BHTD)
-        return softmax_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD))
-
-    def history(self, layer: int) -> list[int]:
-        """Frames the newest frame attends to besides itself, oldest first (the order of `gather`)."""
-        newest = self._num_appended[layer] - 1
-        return [f for f in self.frame_indices(layer) if f != newest]
-
-    def gather(self, layer: int, k_new_BHTD: Tensor, v_new_BHTD: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys/values the newest frame attends to: decoded history + its own fresh (post-rotary) K/V."""
-        return self.read_with(layer, self.history(layer), k_new_BHTD, v_new_BHTD)
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
         """Additive logits [B, H, T, N] for the keys of `frames` (default: `history`) followed by

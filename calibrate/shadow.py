@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope, attention_logits, softmax_attention
+from calibrate.cache import Attended, KVCache
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
 
@@ -66,27 +66,24 @@ class AttentionError:
 
 
 class ShadowCache(KVCache):
+    """The full-precision cache that also feeds `shadows` every frame and compares their attention."""
+
     def __init__(self, num_layers: int, window: int, sink_frames: int, shadows: dict[str, KVCache]):
         super().__init__(num_layers, window, sink_frames)
         self.shadows = shadows
         self.errors = {name: AttentionError(num_layers) for name in shadows}
         self._prev_err: dict[tuple[str, int], Tensor] = {}
 
-    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
-        # what KVCache.attend does, with the kept K/V read once for the output and the comparison
-        self.append(layer, k_BHTD, v_BHTD, key_rope)
-        k_all, v_all = self.read(layer)
-        out = softmax_attention(q_BHTD, k_all, v_all)
-        logp_ref = attention_logits(q_BHTD, k_all).log_softmax(-1)
+    def observe(self, seen: Attended) -> None:
+        layer, q_BHTD, out = seen.layer, seen.q_BHTD, seen.out_BHTD
+        logp_ref = seen.logits_BHTN.log_softmax(-1)
         T = q_BHTD.shape[2]
         top_ref = logp_ref.exp().unflatten(-1, (-1, T)).sum(-1).argmax(-1)
         rows = q_BHTD.shape[0] * q_BHTD.shape[1] * T
-        k_new = key_rope.apply(k_BHTD)
         for name, cache in self.shadows.items():
-            cache.append(layer, k_BHTD, v_BHTD, key_rope)
-            kq, vq = cache.gather(layer, k_new, v_BHTD)  # type: ignore[attr-defined]
-            bias = cache.logit_bias(layer, q_BHTD)  # type: ignore[attr-defined]  # its key-noise correction
-            logp_q = attention_logits(q_BHTD, kq, bias).log_softmax(-1)
+            cache.append(layer, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
+            kq, vq = cache.gather(layer, seen.k_rot_BHTD, seen.v_BHTD)
+            logp_q = cache.logits(layer, q_BHTD, kq).log_softmax(-1)  # with its key-noise correction
             p_q = logp_q.exp()
             o_q = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
             err = o_q - out
@@ -99,4 +96,3 @@ class ShadowCache(KVCache):
                 values.update(dt2=(err - prev).pow(2).sum().item(), dt_rows=rows)
             self._prev_err[(name, layer)] = err
             self.errors[name].add(layer, **values)
-        return out
