@@ -19,8 +19,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
-CONF_DIR = str(_SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf")
+from calibrate.config import CONF_DIR
+
 
 log = logging.getLogger("calibrate")
 
@@ -48,7 +48,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         result = run(cfg)

@@ -1,8 +1,13 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written recipe, stats file or plot.
+"""Files in and out: atomic writes, deterministic safetensors, and the versioned-file reader.
 
 Everything the project writes goes through here: a temporary file next to the target,
 flushed and fsynced, then renamed onto the target (a rename within one directory is atomic on
 POSIX and Windows). On any error the temporary file is removed and the target is untouched.
+
+Every file the project reads back (recipes, statistics, trajectories, weights) is a
+safetensors file whose metadata names its `format` and `format_version` (major.minor: a
+reader reads every minor version of its major). `read_versioned` opens one and checks both,
+raising one line that names the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+import torch
 
 
 def _umask() -> int:
@@ -67,3 +74,37 @@ def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> 
     header = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     return struct.pack("<Q", len(header)) + header + blob[8 + n :]
+
+
+def read_safetensors(path: str | os.PathLike, what: str,
+                     error: type[ValueError] = ValueError) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file; `error` naming the file if it is missing or
+    unreadable (`what` names the kind of file in the message: "recipe", "stats", ...)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{p}: no such {what} file")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise error(f"{p}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+
+
+def check_format(path: str | os.PathLike, metadata: dict[str, str], fmt: str, version: str,
+                 error: type[ValueError] = ValueError) -> None:
+    """The file's `format` is `fmt` and its `format_version` has the major version of `version`."""
+    if metadata.get("format") != fmt:
+        raise error(f"{path}: format is {metadata.get('format')!r}, expected {fmt!r} (metadata field 'format')")
+    found = metadata.get("format_version", "")
+    if found.split(".")[0] != version.split(".")[0]:
+        raise error(f"{path}: metadata field 'format_version' is {found!r}, this reader reads {version}")
+
+
+def read_versioned(path: str | os.PathLike, fmt: str, version: str, what: str,
+                   error: type[ValueError] = ValueError) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """`read_safetensors`, then `check_format`: the one way every versioned file is opened."""
+    metadata, tensors = read_safetensors(path, what, error)
+    check_format(path, metadata, fmt, version, error)
+    return metadata, tensors

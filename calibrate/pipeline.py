@@ -17,22 +17,26 @@ from pathlib import Path
 import torch
 
 from calibrate import distributed
-from calibrate.config import Config, TrajectoriesConfig, resolve_split
+from calibrate import gate
+from calibrate.adapters import AdapterError, TinyWorldAdapter, WorldAdapter, as_world
+from calibrate.config import Config, ModelConfig, resolve_split
 from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
+from calibrate.evaluate.report import summary_metrics
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.strips import write_strip
-from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
-from calibrate.memory import memory_section
 from calibrate.fit.objective import LayerTrace
 from calibrate.fit.search import check_fit_config, fit_recipe
+from calibrate.fit.select import choose, closed_loop_scores, record_choice
+from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
+from calibrate.memory import memory_section
 from calibrate.recipe import Recipe, load_recipe, save_recipe
+from calibrate.replay import Recorder, record
 from calibrate.schemes import BASELINES, KVSample, build_baseline
-from calibrate.adapters import WorldAdapter, as_world
-from calibrate.adapters import load_world as load_adapter
-from calibrate.replay import Recorder, World, model_info, record
 from calibrate.stats_report import plot_report, report
-from calibrate.world.trajectories import Trajectory, load_trajectories, make_trajectories
+from calibrate.types import Trajectory
+from calibrate.world.model import TinyWorld
+from calibrate.world.trajectories import load_trajectories, make_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +51,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+World = TinyWorld | WorldAdapter  # what a stage accepts: a bare TinyWorld is taken as its adapter
+
+
 def load_world(cfg: Config, device: torch.device) -> WorldAdapter:
-    """The configured model behind its adapter (calibrate/adapters/)."""
+    """The configured model (`model.name`) behind its adapter (calibrate/adapters/), weights on `device`."""
     return load_adapter(cfg.model, device)
+
+
+def load_adapter(cfg: ModelConfig, device: torch.device) -> WorldAdapter:
+    if cfg.name == "tinyworld":
+        from calibrate.world.weights import load_weights
+
+        return TinyWorldAdapter(load_weights(cfg.weights).to(device))
+    if cfg.name == "wan_diffusers":
+        from calibrate.adapters import wan_diffusers
+
+        return wan_diffusers.load(cfg.weights, cfg.wan, device)
+    raise AdapterError(f"config: unknown model '{cfg.name}' (available: tinyworld, wan_diffusers)")
 
 
 def trajectory_set(cfg: Config, split: str | None = None) -> list[Trajectory]:
@@ -89,7 +108,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     checkpoint of the same config, model and shard continues after its last finished batch
     (the statistics come out identical to an uninterrupted run).
     """
-    info = model_info(model)
+    info = as_world(model).info
     trajs = distributed.shard(trajectory_set(cfg), state)
     recorder = Recorder.create(info, cfg.fit.sample_tokens, trace_frames, cfg.seed)
     rank, world = distributed.rank_and_world(state)
@@ -107,7 +126,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     save = None
     if checkpoint is not None:
         save = lambda i, group: recorder.save(checkpoint, asdict(info), {"resume_key": key, "batches_done": str(i + 1)})
-    record(model, trajs, recorder, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
+    record(as_world(model), trajs, recorder, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
            cfg.trajectories.batch_size, trace_batches, on_batch=save, skip_batches=done)
     distributed.reduce_stats(recorder.stats, state)
     recorder.q = distributed.reduce_queries(recorder.q, state)
@@ -122,7 +141,7 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
     if state is not None:
         device = state.device  # each process on its own GPU (cuda:<local rank>), or the CPU
     model = load_world(cfg, device)
-    info = model_info(model)
+    info = as_world(model).info
     rank, _ = distributed.rank_and_world(state)
     checkpoint = out_dir / f"stats.partial.rank{rank}.safetensors"
     recorder = collect(cfg, model, device, state=state, checkpoint=checkpoint)
@@ -159,7 +178,7 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
 
     Calibrated baselines fit on `sample`, or on a calibration replay made here when not given.
     """
-    info = model_info(model)
+    info = as_world(model).info
     recipes: dict[str, Recipe] = {}
     for name in names:
         if name in BASELINES:
@@ -181,7 +200,7 @@ def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], 
     trajs = trajectory_set(cfg)
     partial = out_dir / "partial"
     partial.mkdir(parents=True, exist_ok=True)
-    runs = evaluate(model, recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
+    runs = evaluate(as_world(model), recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
                     cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
@@ -238,7 +257,7 @@ def _command() -> str:
 def run_evaluate(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, model_info(model))}
+    recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, as_world(model).info)}
     evaluate_and_report(cfg, out_dir, recipes, model, device, _command())
     return {"report": str(out_dir / "report.json")}
 
@@ -261,20 +280,11 @@ def layer_traces(recorder: Recorder, window: int, sink_frames: int, num_trajecto
             for layer in range(len(trace.q))]
 
 
-def closed_loop(cfg: Config, model: World, candidates: dict[str, Recipe], device: torch.device) -> dict[str, dict]:
-    """Real quantized rollouts of each candidate on calibration trajectories: psnr_ref and flicker."""
+def closed_loop_trajectories(cfg: Config) -> list[Trajectory]:
+    """Calibration trajectories for the closed-loop selection, after those the fit replayed."""
     t = cfg.trajectories
-    trajs = make_trajectories(t.families, "calibration", max(cfg.fit.closed_loop_trajectories, 1),
-                              cfg.fit.closed_loop_frames, t.seed + t.num_trajectories)
-    runs = evaluate(model, candidates, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
-                    t.batch_size, attention=False)
-    out = {}
-    for name, run in runs.items():
-        out[name] = {
-            "psnr_ref": sum(float(r.series["psnr_ref"].mean()) for r in run.trajs) / len(run.trajs),
-            "flicker": sum(float(r.series["flicker"].mean()) for r in run.trajs) / len(run.trajs),
-        }
-    return out
+    return make_trajectories(t.families, "calibration", max(cfg.fit.closed_loop_trajectories, 1),
+                             cfg.fit.closed_loop_frames, t.seed + t.num_trajectories)
 
 
 def calibration_recording(cfg: Config, model: World, device: torch.device) -> Recorder:
@@ -285,7 +295,7 @@ def calibration_recording(cfg: Config, model: World, device: torch.device) -> Re
 def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
     """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
-    info = model_info(model)
+    info = as_world(model).info
     trajs = trajectory_set(cfg)
     check_fit_config(cfg.fit, info)  # before the replay, not after it
     recorder = recorder or calibration_recording(cfg, model, device)
@@ -295,16 +305,11 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     candidates = {"fitted": recipe}
     if record["upgrades"]:
         candidates["no_mixed_precision"] = base
-    scores = closed_loop(cfg, model, candidates, device)
-    chosen = max(scores, key=lambda n: (round(scores[n]["psnr_ref"], 3), -scores[n]["flicker"]))
-    record["closed_loop"] = {"scores": scores, "chosen": chosen,
-                             "why": "highest mean PSNR vs the fp rollout over real quantized rollouts (ties: lower flicker)"}
+    scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
+                                cfg.trajectories.batch_size)
+    chosen = choose(scores)
     recipe = candidates[chosen]
-    if chosen != "fitted":  # the closed loop preferred the base recipe: no mixed precision, no compensation
-        for key in ("upgrades", "compensators", "logit_correction"):
-            record[f"{key}_dropped"], record[key] = record.get(key, []), []
-        record["bits_per_element"] = record["base_bits"]
-        record["policy"] = asdict(recipe.scheme.policy)
+    record_choice(record, scores, chosen, recipe)
     recipe.metadata.update(
         calibration=json.dumps({"config": asdict(cfg), "config_hash": config_hash(cfg),
                                 "trajectories": [[t.family, t.seed, t.num_frames] for t in trajs]}, sort_keys=True),
@@ -312,17 +317,6 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         memory=json.dumps(memory_section(recipe, window, sink), sort_keys=True),
     )
     return recipe, record
-
-
-def summary_metrics(rep: dict) -> dict:
-    """The few numbers a recipe records about itself (and that task=check compares against),
-    from a report of that one recipe."""
-    (s,) = rep["schemes"].values()
-    m = s["metrics"]
-    return {"psnr_ref_all": m["psnr_ref"]["all"]["mean"], "psnr_ref_first16": m["psnr_ref"]["first16"]["mean"],
-            "psnr_ref_windows": {w: v["mean"] for w, v in m["psnr_ref"]["windows"].items()},
-            "flicker": m["flicker"]["all"]["mean"], "psnr_gt_all": m["psnr_gt"]["all"]["mean"],
-            "bits_per_element": s["memory"]["bits_per_element"]}
 
 
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
@@ -336,9 +330,9 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
     rep = evaluate_and_report(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device, _command())
     metrics = {"evaluation": summary_metrics(rep)}
-    check_cfg = check_trajectories(cfg)
+    check_cfg = gate.check_trajectories(cfg)
     check_rep = report_mod.build(
-        evaluate(model, {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
+        evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
                  cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False),
         [], {}, cfg.eval.psnr_threshold_db)
     metrics["check"] = summary_metrics(check_rep)
@@ -350,77 +344,22 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     return {"recipe": str(path), "metrics": metrics}
 
 
-def check_trajectories(cfg: Config) -> Config:
-    """The CI gate's trajectory set (conf/trajectories/check.yaml): 4 families x 128 frames, evaluation seeds."""
-    return replace(cfg, trajectories=TrajectoriesConfig(name="check", split="evaluation",
-                                                        families=["orbit", "revisit", "stress", "static"],
-                                                        num_trajectories=4, num_frames=128, seed=100))
-
-
-# ---- task=check: the CI gate -------------------------------------------------------------------
-def check_criteria(measured: dict, recorded: dict | None, cfg: Config) -> list[dict]:
-    """Each criterion: name, measured value, threshold, comparison, passed."""
-    c = cfg.check
-    criteria = []
-
-    def add(name, value, threshold, higher_is_better):
-        passed = value >= threshold if higher_is_better else value <= threshold
-        criteria.append({"name": name, "measured": value, "threshold": threshold,
-                         "comparison": ">=" if higher_is_better else "<=", "passed": bool(passed)})
-
-    if c.min_psnr_db is not None:
-        add("psnr_ref_all", measured["psnr_ref_all"], c.min_psnr_db, True)
-    elif recorded:
-        add("psnr_ref_all", measured["psnr_ref_all"], recorded["psnr_ref_all"] - c.tolerance_db, True)
-        for w, v in recorded.get("psnr_ref_windows", {}).items():
-            if w in measured["psnr_ref_windows"]:
-                add(f"psnr_ref[{w}]", measured["psnr_ref_windows"][w], v - c.tolerance_db, True)
-    if c.max_flicker is not None:
-        add("flicker", measured["flicker"], c.max_flicker, False)
-    elif recorded:
-        add("flicker", measured["flicker"], recorded["flicker"] * (1 + c.flicker_tolerance), False)
-    if not criteria:
-        raise ValueError("check: the recipe records no metrics to compare against; set check.min_psnr_db and check.max_flicker")
-    return criteria
-
-
-def junit_xml(criteria: list[dict], recipe_path: str) -> str:
-    from xml.sax.saxutils import quoteattr
-
-    failures = sum(not c["passed"] for c in criteria)
-    lines = ['<?xml version="1.0" encoding="utf-8"?>',
-             f'<testsuite name="calibrate.check" tests="{len(criteria)}" failures="{failures}" errors="0">']
-    for c in criteria:
-        lines.append(f'  <testcase classname={quoteattr(recipe_path)} name={quoteattr(c["name"])}>')
-        if not c["passed"]:
-            msg = f'{c["name"]} = {c["measured"]:.6g}, needs {c["comparison"]} {c["threshold"]:.6g}'
-            lines.append(f'    <failure message={quoteattr(msg)}/>')
-        lines.append("  </testcase>")
-    lines.append("</testsuite>")
-    return "\n".join(lines) + "\n"
-
-
+# ---- task=check: the CI gate (gate.py) ----------------------------------------------------------
 def run_check(cfg: Config, out_dir: Path) -> dict:
     """Replay the check set with the recipe and compare against thresholds (exit 0 pass / 1 fail / 2 bad input)."""
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipe = load_recipe(cfg.recipe, model_info(model))
+    recipe = load_recipe(cfg.recipe, as_world(model).info)
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
-        cfg = check_trajectories(cfg)  # the default set of a check is the check set
-    runs = evaluate(model, {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window, cfg.model.cache.sink_frames,
+        cfg = gate.check_trajectories(cfg)  # the default set of a check is the check set
+    runs = evaluate(as_world(model), {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window, cfg.model.cache.sink_frames,
                     device, cfg.trajectories.batch_size, attention=False)
     measured = summary_metrics(report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db))
     recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
-    criteria = check_criteria(measured, recorded, cfg)
-    passed = all(c["passed"] for c in criteria)
-    result = {"recipe": cfg.recipe, "passed": passed, "criteria": criteria, "measured": measured}
-    write_json(out_dir / "check.json", result)
-    write_text_atomic(out_dir / "check.xml", junit_xml(criteria, str(cfg.recipe)))
-    print("| criterion | measured | threshold | result |\n|---|---|---|---|")
-    for c in criteria:
-        print(f"| {c['name']} | {c['measured']:.4f} | {c['comparison']} {c['threshold']:.4f} | {'pass' if c['passed'] else 'FAIL'} |")
-    failed = [c["name"] for c in criteria if not c["passed"]]
-    result["summary"] = "all criteria pass" if passed else f"{len(failed)} criteria regressed: {', '.join(failed)}"
+    result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))
+    write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})
+    write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
+    print(gate.markdown_table(result["criteria"]))
     return result
 
 

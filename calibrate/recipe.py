@@ -35,12 +35,11 @@ import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from calibrate.io import safetensors_bytes, write_bytes_atomic
+from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
+from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
 FORMAT_VERSION = "1.0"
@@ -151,21 +150,6 @@ def _spec(d: dict, where: str) -> TensorSpec:
 
 
 @dataclass
-class ModelInfo:
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tokens_per_frame: int
-    fingerprint: str
-
-    @property
-    def elements_per_frame(self) -> int:
-        """K and V elements of one frame in one layer."""
-        return 2 * self.num_kv_heads * self.tokens_per_frame * self.head_dim
-
-
-@dataclass
 class Recipe:
     model: ModelInfo
     scheme: Scheme
@@ -222,24 +206,11 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
 def load_recipe(path: str | os.PathLike, model: ModelInfo | None = None) -> Recipe:
     """Load and validate a recipe; with `model`, also check it was made for that model."""
     p = str(path)
-    if not Path(p).is_file():
-        raise RecipeError(f"{p}: no such recipe file")
-    try:
-        with safe_open(p, framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises several types for a bad header
-        raise RecipeError(f"{p}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+    meta, tensors = read_safetensors(p, "recipe", RecipeError)
     for key in REQUIRED_METADATA:
         if key not in meta:
             raise RecipeError(f"{p}: metadata field '{key}' is missing")
-    if meta["format"] != FORMAT:
-        raise RecipeError(f"{p}: metadata field 'format' is {meta['format']!r}, expected {FORMAT!r}")
-    major = meta["format_version"].split(".")[0]
-    if major != FORMAT_VERSION.split(".")[0]:
-        raise RecipeError(
-            f"{p}: metadata field 'format_version' is {meta['format_version']}, this runtime reads {FORMAT_VERSION}"
-        )
+    check_format(p, meta, FORMAT, FORMAT_VERSION, RecipeError)
     for key in sorted(set(meta) - set(REQUIRED_METADATA) - set(OPTIONAL_METADATA)):
         warnings.warn(f"{p}: unknown metadata field '{key}' ignored", stacklevel=2)
     try:

@@ -18,23 +18,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.adapters import WorldAdapter, as_world
+from calibrate.adapters.base import WorldAdapter
 from calibrate.cache import Attended, KVCache
-from calibrate.recipe import ModelInfo
 from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
-from calibrate.world.model import TinyWorld
-from calibrate.world.render import make_scene, render
-from calibrate.world.trajectories import Trajectory
-
-World = TinyWorld | WorldAdapter  # a bare TinyWorld is taken as its adapter
+from calibrate.types import ModelInfo, Trajectory
 
 
 class NonFiniteError(ValueError):
     """K or V with NaN/Inf during replay (a broken model or weights file)."""
-
-
-def model_info(model: World) -> ModelInfo:
-    return as_world(model).info
 
 
 @dataclass
@@ -117,11 +108,6 @@ def _check_finite(layer: int, frame: int, x_BHTD: Tensor, what: str) -> None:
         raise NonFiniteError(f"non-finite {what} during replay at layer {layer}, head {h}, frame {frame} (trajectory {b} of the batch)")
 
 
-def ground_truth(trajs: list[Trajectory], device: torch.device) -> Tensor:
-    """True frames [B, N, 3, H, W] of trajectories of equal length."""
-    return torch.stack([render(make_scene(t.seed), t.poses) for t in trajs]).to(device)
-
-
 def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
     """Group trajectories of equal length into batches, order kept within a length."""
     by_len: dict[int, list[Trajectory]] = {}
@@ -130,7 +116,7 @@ def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
     return [group[i : i + batch_size] for group in by_len.values() for i in range(0, len(group), batch_size)]
 
 
-def rollout_batch(model: World, trajs: list[Trajectory], cache: KVCache, device: torch.device,
+def rollout_batch(world: WorldAdapter, trajs: list[Trajectory], cache: KVCache, device: torch.device,
                   truth: Tensor | None = None, desc: str | None = None,
                   keep_frames: bool = True) -> tuple[Tensor, Tensor | None]:
     """Free rollout of a batch through `cache`: (generated frames, true frames or None), [B, N, C, H, W].
@@ -138,7 +124,6 @@ def rollout_batch(model: World, trajs: list[Trajectory], cache: KVCache, device:
     With `keep_frames=False` only the last generated frame is returned and no ground truth is
     made, so memory does not grow with the rollout length (statistics replay).
     """
-    world = as_world(model)
     if truth is None and keep_frames:
         truth = world.ground_truth(trajs, device)
     bar = tqdm(total=trajs[0].num_frames, desc=desc, leave=False, disable=desc is None)
@@ -147,7 +132,7 @@ def rollout_batch(model: World, trajs: list[Trajectory], cache: KVCache, device:
     return frames, truth
 
 
-def record(model: World, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
+def record(world: WorldAdapter, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
            device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None,
            skip_batches: int = 0) -> Recorder:
     """Replay `trajs` with the fp model, recording into `recorder`; returns it.
@@ -156,7 +141,6 @@ def record(model: World, trajs: list[Trajectory], recorder: Recorder, window: in
     runs after each batch (checkpointing). The reservoirs are reseeded at every batch start, so
     a run resumed from a checkpoint draws exactly what an uninterrupted one would.
     """
-    world = as_world(model)
     layers = world.info.num_layers
     groups = batches(trajs, batch_size)
     for i, group in enumerate(tqdm(groups, desc="replay", unit="batch", initial=skip_batches, total=len(groups))):

@@ -60,10 +60,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from calibrate.io import safetensors_bytes, write_bytes_atomic
+from calibrate.io import read_versioned, safetensors_bytes, write_bytes_atomic
 
 FORMAT = "kv-stats"
 FORMAT_VERSION = "1.0"
@@ -347,19 +346,7 @@ class StatsFile:
 def load_stats(path: str | os.PathLike, device: str | torch.device = "cpu") -> StatsFile:
     """Read and validate a stats file; every problem raises ValueError(f"{path}: ...")."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such stats file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
-    version = metadata.get("format_version", "")
-    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
-        raise ValueError(f"{path}: format_version {version!r} is not readable (reader: {FORMAT_VERSION})")
+    metadata, tensors = read_versioned(path, FORMAT, FORMAT_VERSION, "stats")
     try:
         config = KVStatsConfig.from_json(metadata["config"])
         model = json.loads(metadata.get("model", "{}"))

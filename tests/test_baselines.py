@@ -4,12 +4,13 @@ with exact byte accounting; plus KIVI's per-channel 2-bit arithmetic checked aga
 import pytest
 import torch
 
+from calibrate.adapters import as_world
 from calibrate.codec import HeadParams, decode, encode, fake_quant
+from calibrate.memory import fp16_cache_bytes
 from calibrate.pipeline import kv_sample
 from calibrate.quant.packing import unpack
 from calibrate.recipe import TensorSpec
-from calibrate.replay import Recorder, ground_truth, model_info, record, rollout_batch
-from calibrate.memory import fp16_cache_bytes
+from calibrate.replay import Recorder, record, rollout_batch
 from calibrate.runtime import QuantizedKVCache
 from calibrate.schemes import BASELINES, build_baseline
 from calibrate.world.trajectories import make_trajectories
@@ -23,11 +24,11 @@ CPU = torch.device("cpu")
 def world():
     """Model, its info, a 2-trajectory batch with ground truth, and a small calibration sample."""
     model = load_weights()
-    info = model_info(model)
+    info = as_world(model).info
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, FRAMES)
     recorder = Recorder.create(info, sample_tokens=256, seed=0)
-    record(model, make_trajectories(["orbit", "pan"], "calibration", 2, 8), recorder, WINDOW, SINK, CPU)
-    return model, info, trajs, ground_truth(trajs, CPU), kv_sample(recorder)
+    record(as_world(model), make_trajectories(["orbit", "pan"], "calibration", 2, 8), recorder, WINDOW, SINK, CPU)
+    return model, info, trajs, as_world(model).ground_truth(trajs, CPU), kv_sample(recorder)
 
 
 def test_calibration_sample_shape(world):
@@ -42,7 +43,7 @@ def test_baseline_runs_end_to_end(world, name):
     model, info, trajs, truth, sample = world
     recipe = build_baseline(name, info, sample)
     cache = QuantizedKVCache.from_recipe(recipe, window=WINDOW, sink_frames=SINK)
-    frames, _ = rollout_batch(model, trajs, cache, CPU, truth=truth)
+    frames, _ = rollout_batch(as_world(model), trajs, cache, CPU, truth=truth)
     assert frames.shape == truth.shape
     assert torch.isfinite(frames).all() and frames.min() >= 0 and frames.max() <= 1
     n = cache.num_frames_seen

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from calibrate.benchmarks.tinyworld import main
-from calibrate.world.model import TinyWorld, TinyWorldConfig, model_fingerprint
+from calibrate.types import weights_fingerprint
+from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.weights import save_weights
 
 TINY = TinyWorldConfig(dim=64, num_layers=1, num_heads=1, rope_xy_pairs=4, rope_bearing_pairs=8)
@@ -22,7 +23,7 @@ def weights(tmp_path):
     torch.nn.init.normal_(model.patch_out.weight, std=0.02)  # the output head starts at zero
     path = tmp_path / "tiny.safetensors"
     save_weights(model, path)
-    return path, model_fingerprint(model)
+    return path, weights_fingerprint(model)
 
 
 def test_writes_every_bar(tmp_path, weights, capsys):

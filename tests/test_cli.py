@@ -21,16 +21,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from calibrate.adapters import as_world
 from calibrate.io import safetensors_bytes
 from calibrate.quant.rotation import random_hadamard
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, load_recipe, save_recipe, uniform_scheme
-from calibrate.replay import model_info
-from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.trajectories import make_trajectories, save_trajectories
-from calibrate.world.weights import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
 SENTINELS = {"recipe.safetensors": b"sentinel recipe", "stats.safetensors": b"sentinel stats",
              "report.json": b'{"sentinel": true}', "stats.json": b'{"sentinel": 1}'}
 # what a failed run may leave in its run dir besides the untouched sentinels
@@ -78,13 +75,8 @@ def nonempty_lines(text: str) -> list[str]:
 
 # ---- fixtures: a tiny model, a valid recipe for it, and malformed variants ----------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    model = TinyWorld(TINY).eval()
-    torch.nn.init.normal_(model.patch_out.weight, std=0.02)
-    path = tmp_path_factory.mktemp("weights") / "tiny.safetensors"
-    save_weights(model, path)
-    return model, path
+def tiny(tiny_weights):
+    return tiny_weights
 
 
 def valid_recipe(info: ModelInfo) -> Recipe:
@@ -110,7 +102,7 @@ def files(tiny, tmp_path_factory):
     """Every input file the suite uses, by name."""
     model, weights = tiny
     d = tmp_path_factory.mktemp("inputs")
-    info = model_info(model)
+    info = as_world(model).info
     good = d / "good.safetensors"
     save_recipe(valid_recipe(info), good)
     load_recipe(good, info)  # the base recipe is valid for the tiny model: each variant breaks one thing

@@ -2,9 +2,12 @@ import pytest
 import torch
 
 from calibrate import pipeline
+from calibrate.adapters import as_world
 from calibrate.codec import HeadParams, fake_quant
 from calibrate.fit.compensate import fit_compensator, residual_mse
 from calibrate.recipe import TensorSpec
+
+from toys import tiny_fit_config
 
 
 def _clipped_pair(seed=0, n=4000, d=16):
@@ -35,26 +38,20 @@ def test_rank_above_head_dim_is_refused():
         fit_compensator(y, y_hat, 17)
 
 
-def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path):
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_fit import TINY, _cfg  # the tiny fitting setup
+def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path, tiny_world):
     from calibrate.recipe import load_recipe, save_recipe
-    from calibrate.replay import model_info, rollout_batch
+    from calibrate.replay import rollout_batch
     from calibrate.runtime import QuantizedKVCache
-    from calibrate.world.model import TinyWorld
     from calibrate.world.trajectories import make_trajectories
 
-    torch.manual_seed(0)
-    model = TinyWorld(TINY).eval()
-    torch.nn.init.normal_(model.patch_out.weight, std=0.02)
-    recipe, record = pipeline.fit(_cfg(comp_rank=4), model, torch.device("cpu"))
+    model = tiny_world
+    recipe, record = pipeline.fit(tiny_fit_config(comp_rank=4), model, torch.device("cpu"))
     save_recipe(recipe, tmp_path / "r.safetensors")
-    loaded = load_recipe(tmp_path / "r.safetensors", model_info(model))
+    loaded = load_recipe(tmp_path / "r.safetensors", as_world(model).info)
     kept = {(c["layer"], c["tensor"]) for c in record["compensators"]}
     for layer, pair in enumerate(loaded.scheme.layers):
         for kind in ("k", "v"):
             assert (getattr(pair, kind).comp_rank == 4) == ((layer, kind) in kept)
     cache = QuantizedKVCache.from_recipe(loaded)
-    frames, _ = rollout_batch(model, make_trajectories(["orbit"], "evaluation", 1, 12), cache, torch.device("cpu"))
+    frames, _ = rollout_batch(as_world(model), make_trajectories(["orbit"], "evaluation", 1, 12), cache, torch.device("cpu"))
     assert torch.isfinite(frames).all() and cache.nbytes() == cache.predicted_nbytes(cache.num_frames_seen)

@@ -1,43 +1,30 @@
 """Properties the fitter promises, on a tiny random TinyWorld (fast, CPU)."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 
 from calibrate import pipeline
-from calibrate.config import Config, FitConfig, TrajectoriesConfig
+from calibrate.adapters import as_world
 from calibrate.fit.search import BudgetError
-from calibrate.recipe import load_recipe, save_recipe, to_bytes
-from calibrate.replay import model_info, rollout_batch
 from calibrate.memory import bits_per_element, fp16_cache_bytes
+from calibrate.recipe import load_recipe, save_recipe, to_bytes
+from calibrate.replay import rollout_batch
 from calibrate.runtime import QuantizedKVCache
-from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.trajectories import make_trajectories
 
-TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
+from toys import TINY_WORLD, tiny_fit_config
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    m = TinyWorld(TINY).eval()
-    torch.nn.init.normal_(m.patch_out.weight, std=0.02)
-    return m
-
-
-def _cfg(**fit) -> Config:
-    cfg = Config()
-    cfg.trajectories = TrajectoriesConfig(families=["orbit", "revisit"], num_trajectories=2, num_frames=20)
-    cfg.fit = replace(FitConfig(), closed_loop_frames=12, closed_loop_trajectories=1, trace_frames=12,
-                      sample_tokens=256, clip_grid=[1.0, 0.8, 0.6], **fit)
-    return cfg
+def model(tiny_world):
+    return tiny_world
 
 
 @pytest.fixture(scope="module")
 def fitted(model):
-    return pipeline.fit(_cfg(), model, torch.device("cpu"))
+    return pipeline.fit(tiny_fit_config(), model, torch.device("cpu"))
 
 
 def test_fitted_clip_no_worse_than_minmax(fitted):
@@ -55,7 +42,7 @@ def test_budget_respected_by_measured_bytes(fitted, model):
     assert record["bits_per_element"] <= 2.5 + 1e-9
     trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
     cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
-    rollout_batch(model, trajs, cache, torch.device("cpu"))
+    rollout_batch(as_world(model), trajs, cache, torch.device("cpu"))
     measured = 16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, 40, 16, 1)
     assert cache.nbytes() == cache.predicted_nbytes(40)
     assert measured <= 2.5 + 1e-9
@@ -65,31 +52,31 @@ def test_every_choice_recorded_and_recipe_runs(fitted, model, tmp_path):
     recipe, record = fitted
     path = tmp_path / "r.safetensors"
     save_recipe(recipe, path)
-    loaded = load_recipe(path, model_info(model))
+    loaded = load_recipe(path, as_world(model).info)
     fit_meta = json.loads(loaded.metadata["fit"])
-    assert len(fit_meta["layers"]) == TINY.num_layers
+    assert len(fit_meta["layers"]) == TINY_WORLD.num_layers
     for layer in fit_meta["layers"]:
         for kind in ("k", "v"):
             assert {"rotation", "granularity", "clip", "why", "candidates"} <= set(layer[kind])
     assert "anchors" in fit_meta and "closed_loop" in fit_meta and "upgrades" in fit_meta
     trajs = make_trajectories(["pan"], "evaluation", 1, 10)
-    frames, _ = rollout_batch(model, trajs, QuantizedKVCache.from_recipe(loaded), torch.device("cpu"))
+    frames, _ = rollout_batch(as_world(model), trajs, QuantizedKVCache.from_recipe(loaded), torch.device("cpu"))
     assert torch.isfinite(frames).all()
 
 
 def test_same_config_and_seed_give_identical_bytes(fitted, model):
-    again, _ = pipeline.fit(_cfg(), model, torch.device("cpu"))
+    again, _ = pipeline.fit(tiny_fit_config(), model, torch.device("cpu"))
     assert to_bytes(again) == to_bytes(fitted[0])
 
 
 def test_budget_below_two_bit_codes_is_refused(model):
     with pytest.raises(BudgetError, match="budget_bits"):
-        pipeline.fit(_cfg(budget_bits=1.5), model, torch.device("cpu"))
+        pipeline.fit(tiny_fit_config(budget_bits=1.5), model, torch.device("cpu"))
 
 
 def test_mixed_precision_spends_budget_only_where_it_helps(fitted, model):
     recipe, record = fitted
-    off, off_record = pipeline.fit(_cfg(mixed_precision=False), model, torch.device("cpu"))
+    off, off_record = pipeline.fit(tiny_fit_config(mixed_precision=False), model, torch.device("cpu"))
     assert off_record["upgrades"] == []
     assert bits_per_element(off.model, off.scheme, 16, 1) <= bits_per_element(recipe.model, recipe.scheme, 16, 1) + 1e-9
     assert all(u["gain"] > 0 for u in record["upgrades"])

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from calibrate import load_model
+from calibrate.adapters import as_world
 from calibrate.cache import KVCache
 from calibrate.recipe import load_recipe, save_recipe
-from calibrate.replay import Recorder, RecordingCache, Trace, model_info, rollout_batch
+from calibrate.replay import Recorder, RecordingCache, Trace, rollout_batch
 from calibrate.world.trajectories import make_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,10 +51,10 @@ def test_check_passes_on_shipped_recipe_and_fails_on_a_degraded_copy(tmp_path):
 def test_recording_does_not_change_the_rollout():
     model = load_model("tinyworld")
     trajs = make_trajectories(["orbit", "revisit"], "evaluation", 2, 24)
-    plain, _ = rollout_batch(model, trajs, KVCache(model.cfg.num_layers, 16, 1), torch.device("cpu"))
-    recorder = Recorder.create(model_info(model), sample_tokens=64, trace_frames=8)
+    plain, _ = rollout_batch(as_world(model), trajs, KVCache(model.cfg.num_layers, 16, 1), torch.device("cpu"))
+    recorder = Recorder.create(as_world(model).info, sample_tokens=64, trace_frames=8)
     cache = RecordingCache(model.cfg.num_layers, 16, 1, recorder, Trace.empty(model.cfg.num_layers))
-    recorded, _ = rollout_batch(model, trajs, cache, torch.device("cpu"))
+    recorded, _ = rollout_batch(as_world(model), trajs, cache, torch.device("cpu"))
     assert torch.equal(plain, recorded)
     assert int(recorder.stats.tensors["k.count"][0]) == 2 * 24 * 16 - 2 * 16  # every appended frame's tokens
     assert len(cache.trace.k[0]) == 8

@@ -5,15 +5,14 @@ budget counts the worst phase of the sliding window, and the fitter's allocator 
 from dataclasses import replace
 
 import pytest
-import torch
 
 from calibrate.config import Config, FitConfig, validate
 from calibrate.fit.search import KEYFRAME_BITS, _policy_candidates
-from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
 from calibrate.memory import bits_per_element, fp16_cache_bytes
+from calibrate.recipe import Recipe, TensorSpec, TokenPolicy, uniform_scheme
 from calibrate.runtime import QuantizedKVCache
 
-from test_runtime import B, D, H, INFO, T, frame_bits, kv_frames
+from toys import B, INFO, frame_bits, kv_frames
 
 
 def recipe_with(policy: TokenPolicy) -> Recipe:

@@ -8,17 +8,20 @@ import pytest
 import torch
 
 import calibrate
+from calibrate.adapters import as_world
 from calibrate.cache import Rope, softmax_attention
-from calibrate.codec import fake_quant, fake_quant_heads, head_params
+from calibrate.codec import fake_quant_heads
 from calibrate.fit.logit_correction import key_error_variance, logit_shift
 from calibrate.fit.objective import LayerTrace, attention_outputs
 from calibrate.quant.logit_noise import key_noise_variance, logit_inflation
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme, validate
-from calibrate.replay import Recorder, model_info, record, rollout_batch
+from calibrate.replay import Recorder, record, rollout_batch
 from calibrate.runtime import QuantizedKVCache
 from calibrate.schemes import build_baseline
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import make_trajectories
+
+from toys import TINY_WORLD, tiny_fit_config
 
 
 # ---- the formula ---------------------------------------------------------------------------------
@@ -126,9 +129,9 @@ def test_objective_models_the_runtime_correction_and_key_frames():
 @pytest.fixture(scope="module")
 def world():
     model = calibrate.load_model("tinyworld")
-    info = model_info(model)
+    info = as_world(model).info
     rec = Recorder.create(info, 256, 24, 0)
-    record(model, make_trajectories(["orbit", "stress"], "calibration", 2, 24), rec, 16, 1, torch.device("cpu"),
+    record(as_world(model), make_trajectories(["orbit", "stress"], "calibration", 2, 24), rec, 16, 1, torch.device("cpu"),
            trace_batches=1)
     return model, info, rec.traces[0]
 
@@ -153,9 +156,9 @@ def shadow_rollout(model, recipes: dict[str, Recipe], free_rollouts: bool = Fals
     recipe's own free rollout."""
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 32)
     shadows = {n: QuantizedKVCache.from_recipe(r, 16, 1) for n, r in recipes.items()}
-    shadow = ShadowCache(model_info(model).num_layers, 16, 1, shadows)
-    rollout_batch(model, trajs, shadow, torch.device("cpu"))
-    frames = {n: rollout_batch(model, trajs, QuantizedKVCache.from_recipe(r, 16, 1), torch.device("cpu"))[0]
+    shadow = ShadowCache(as_world(model).info.num_layers, 16, 1, shadows)
+    rollout_batch(as_world(model), trajs, shadow, torch.device("cpu"))
+    frames = {n: rollout_batch(as_world(model), trajs, QuantizedKVCache.from_recipe(r, 16, 1), torch.device("cpu"))[0]
               for n, r in recipes.items()} if free_rollouts else {}
     return shadow.errors, frames
 
@@ -182,20 +185,16 @@ def test_correction_has_no_effect_at_eight_bits(world):
 
 
 # ---- the fitter ---------------------------------------------------------------------------------
-def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path):
-    from test_fit import TINY, _cfg  # the tiny fitting setup
+def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path, tiny_world):
     from calibrate import pipeline
     from calibrate.fit.logit_correction import ALPHAS
     from calibrate.recipe import load_recipe, save_recipe
-    from calibrate.world.model import TinyWorld
 
-    torch.manual_seed(0)
-    model = TinyWorld(TINY).eval()
-    torch.nn.init.normal_(model.patch_out.weight, std=0.02)
-    off, off_record = pipeline.fit(_cfg(logit_correction=False), model, torch.device("cpu"))
-    recipe, record = pipeline.fit(_cfg(logit_correction=True), model, torch.device("cpu"))
+    model = tiny_world
+    off, off_record = pipeline.fit(tiny_fit_config(logit_correction=False), model, torch.device("cpu"))
+    recipe, record = pipeline.fit(tiny_fit_config(logit_correction=True), model, torch.device("cpu"))
     assert off_record["logit_correction"] == [] and not [n for n in off.tensors if n.endswith("logit_bias")]
-    assert len(record["logit_correction"]) == TINY.num_layers
+    assert len(record["logit_correction"]) == TINY_WORLD.num_layers
     for entry in record["logit_correction"]:
         assert set(entry["objective"]) == {str(a) for a in ALPHAS} and all(a in ALPHAS for a in entry["alpha"])
         assert len(set(entry["objective"].values())) > 1  # the objective models the correction
@@ -205,7 +204,7 @@ def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path
         if bias is not None:  # alpha_h * sigma_h^2: a head with alpha 0 holds zeros
             assert all((bias[h] == 0).all() == (a == 0) for h, a in enumerate(entry["alpha"]))
     save_recipe(recipe, tmp_path / "r.safetensors")
-    loaded = load_recipe(tmp_path / "r.safetensors", model_info(model))
+    loaded = load_recipe(tmp_path / "r.safetensors", as_world(model).info)
     assert {n for n in loaded.tensors if n.endswith("logit_bias")} == {n for n in recipe.tensors if n.endswith("logit_bias")}
 
 

@@ -5,7 +5,7 @@ from calibrate.cache import KVCache
 from calibrate.world.model import TinyWorld, TinyWorldConfig, block_mask, warp
 from calibrate.world.rollout import rollout
 
-TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
+from toys import TINY_WORLD
 
 
 def _clip(B=2, N=7, seed=0):
@@ -18,7 +18,7 @@ def _clip(B=2, N=7, seed=0):
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    model = TinyWorld(TINY).eval()
+    model = TinyWorld(TINY_WORLD).eval()
     # the output heads start at zero; give them weights so the test sees every layer and the warp
     torch.nn.init.normal_(model.patch_out.weight, std=0.02)
     torch.nn.init.normal_(model.flow_out.weight, std=0.05)
@@ -46,7 +46,7 @@ def test_shapes():
     frames, poses, actions = _clip()
     pred = model(frames, poses, actions, window=16, sink_frames=1)
     assert pred.shape == (2, 6, 3, 32, 32)
-    assert TINY.tokens_per_frame == 16 and TINY.head_dim == 64
+    assert TINY_WORLD.tokens_per_frame == 16 and TINY_WORLD.head_dim == 64
 
 
 @pytest.mark.parametrize("window, sink", [(16, 1), (3, 1), (2, 0)])
@@ -55,7 +55,7 @@ def test_parallel_forward_equals_cached_steps(window, sink):
     model = _model()
     frames, poses, actions = _clip()
     parallel = model(frames, poses, actions, window=window, sink_frames=sink)
-    cache = KVCache(TINY.num_layers, window=window, sink_frames=sink)
+    cache = KVCache(TINY_WORLD.num_layers, window=window, sink_frames=sink)
     stepped = [
         model.step(cache, frames[:, t - 1], poses[:, t - 1], poses[:, t], actions[:, t])
         for t in range(1, frames.shape[1])
@@ -66,7 +66,7 @@ def test_parallel_forward_equals_cached_steps(window, sink):
 def test_rollout_deterministic_and_uses_cache():
     model = _model()
     frames, poses, actions = _clip(N=10)
-    run = lambda w: rollout(model, KVCache(TINY.num_layers, w, 1), frames[:, 0], poses, actions)
+    run = lambda w: rollout(model, KVCache(TINY_WORLD.num_layers, w, 1), frames[:, 0], poses, actions)
     a, b = run(16), run(16)
     assert torch.equal(a, b)
     assert a.shape == frames.shape and torch.equal(a[:, 0], frames[:, 0])
@@ -98,7 +98,7 @@ def test_half_pixel_flow_averages_neighbours():
 def test_untrained_model_copies_the_newest_frame():
     """Both heads start at zero, so before training the prediction is the input frame."""
     torch.manual_seed(0)
-    model = TinyWorld(TINY).eval()
+    model = TinyWorld(TINY_WORLD).eval()
     frames, poses, actions = _clip()
     pred = model(frames, poses, actions, window=16, sink_frames=1)
     assert torch.equal(pred, frames[:, :-1])

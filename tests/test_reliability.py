@@ -19,29 +19,23 @@ import pytest
 import torch
 
 from calibrate import pipeline, replay
+from calibrate.adapters import as_world
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
 from calibrate.recipe import load_recipe, save_recipe
-from calibrate.replay import NonFiniteError, Recorder, model_info
+from calibrate.replay import NonFiniteError, Recorder
 from calibrate.schemes import build_baseline
 from calibrate.stats import load_stats
-from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.weights import save_weights
 
+from toys import TINY_WORLD, make_tiny_world
+
 REPO = Path(__file__).resolve().parents[1]
-TINY = TinyWorldConfig(dim=128, num_layers=2, num_heads=2, rope_xy_pairs=4, rope_bearing_pairs=8)
 CPU = torch.device("cpu")
 
 
-def tiny_model(seed: int = 0) -> TinyWorld:
-    torch.manual_seed(seed)
-    m = TinyWorld(TINY).eval()
-    torch.nn.init.normal_(m.patch_out.weight, std=0.02)  # zero-initialised readout would make every frame equal
-    return m
-
-
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()
+def model(tiny_world):
+    return tiny_world
 
 
 def env() -> dict:
@@ -128,7 +122,7 @@ def test_checkpoint_of_another_config_or_model_is_ignored(model, uninterrupted, 
     assert_same_recorder(again, fresh)
 
     counting.calls = 0
-    pipeline.collect(stats_cfg(), tiny_model(seed=1), CPU, checkpoint=full_ckpt)
+    pipeline.collect(stats_cfg(), make_tiny_world(seed=1), CPU, checkpoint=full_ckpt)
     assert counting.calls == 3
 
 
@@ -204,7 +198,7 @@ def test_sigkill_during_export_never_leaves_a_partial_recipe(tmp_path):
 
 # ---- same config and seed -> byte-identical recipe --------------------------------------------
 def test_baseline_recipe_bytes_identical_in_process_and_across_processes(model, tmp_path):
-    info = model_info(model)
+    info = as_world(model).info
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_recipe(build_baseline("quarot2", info), a)
     save_recipe(build_baseline("quarot2", info), b)
@@ -236,7 +230,7 @@ def test_fit_twice_gives_byte_identical_recipe_files(model, tmp_path):
 # ---- non-finite K/V are reported with layer, head and frame -----------------------------------
 def k_index(head: int, channel: int = 3) -> int:
     """Output index of qkv (laid out [3, H, D]) of K's `channel` in `head`."""
-    return TINY.dim + head * TINY.head_dim + channel
+    return TINY_WORLD.dim + head * TINY_WORLD.head_dim + channel
 
 
 def replay_one(model, num_frames: int = 10):
@@ -247,7 +241,7 @@ def replay_one(model, num_frames: int = 10):
 
 
 def test_nan_in_weights_reported_with_layer_head_frame():
-    model = tiny_model()
+    model = make_tiny_world()
     with torch.no_grad():
         model.blocks[1].qkv.bias[k_index(head=1)] = float("nan")
     with pytest.raises(NonFiniteError) as e:
@@ -278,7 +272,7 @@ def test_nan_appearing_mid_rollout_names_its_frame(model):
 
 
 def test_cli_rejects_nan_weights_in_one_line(tmp_path):
-    model = tiny_model()
+    model = make_tiny_world()
     with torch.no_grad():
         model.blocks[1].qkv.bias[k_index(head=1)] = float("nan")
     weights = tmp_path / "nan.safetensors"

@@ -1,70 +1,19 @@
 """The packed runtime against its reference: codec.encode/decode == codec.fake_quant, and the
 QuantizedKVCache's token policy, storage (no full-precision shadow) and byte accounting.
 
-Toy sizes throughout: H = 2 heads, D = 16 channels, T = 4 tokens per frame, B = 2.
+Toy sizes throughout (tests/toys.py): H = 2 heads, D = 16 channels, T = 4 tokens per frame, B = 2.
 """
 
 import pytest
 import torch
 
-from calibrate.cache import KVCache, Rope, kept_frames
+from calibrate.cache import KVCache, kept_frames
 from calibrate.codec import decode, encode, fake_quant, frame_nbytes, head_params, stored_nbytes
 from calibrate.quant.packing import unpack
-from calibrate.quant.rotation import random_hadamard
-from calibrate.recipe import (ModelInfo, Recipe, RecipeError, TensorSpec, TokenPolicy, expected_shapes, save_recipe,
-                              uniform_scheme, validate)
+from calibrate.recipe import RecipeError, TensorSpec, TokenPolicy, save_recipe
 from calibrate.runtime import QuantizedKVCache
 
-H, D, T, B = 2, 16, 4, 2
-INFO = ModelInfo(name="toy", num_layers=2, num_kv_heads=H, head_dim=D, tokens_per_frame=T, fingerprint="toy")
-
-
-def static_tensors(spec: TensorSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Plausible parameters for every role `spec` requires (values matter little: the tests
-    compare two paths of the same arithmetic), plus a per-head `clip` for variety."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for role, shape in expected_shapes(spec, H, D).items():
-        if role == "rotation":
-            out[role] = torch.stack([random_hadamard(D, seed=seed + h) for h in range(H)])
-        elif role == "scale":
-            top = 3.0 + torch.rand(shape, generator=g)
-            out[role] = top if spec.kind == "codebook" else 2 * top / (2**spec.bits - 1)
-        elif role == "zero_point":
-            out[role] = 0.1 * torch.randn(shape, generator=g) - (0 if spec.kind == "codebook" or spec.symmetric else 3.0)
-        elif role == "codebook":
-            out[role] = (torch.rand(shape, generator=g) * 2 - 1).sort(dim=-1).values
-        elif role == "outlier_channels":
-            out[role] = torch.stack([torch.randperm(D, generator=g)[: shape[1]] for _ in range(H)])
-        elif role == "centroids":
-            out[role] = torch.randn(shape, generator=g)
-        else:  # comp_down, comp_up
-            out[role] = 0.1 * torch.randn(shape, generator=g)
-    return out
-
-
-def toy_recipe(k: TensorSpec, v: TensorSpec | None = None, policy: TokenPolicy | None = None, clip=None) -> Recipe:
-    v = k if v is None else v
-    tensors = {}
-    for i in range(INFO.num_layers):
-        for j, (kind, spec) in enumerate((("k", k), ("v", v))):
-            for role, t in static_tensors(spec, seed=100 * i + 10 * j).items():
-                tensors[f"layers.{i}.{kind}.{role}"] = t
-            if clip is not None:
-                tensors[f"layers.{i}.{kind}.clip"] = torch.tensor(clip)
-    policy = TokenPolicy(sink_frames=0, recent_frames=0) if policy is None else policy
-    recipe = Recipe(INFO, uniform_scheme("toy", INFO.num_layers, k, v, policy), tensors)
-    validate(recipe, "toy")
-    return recipe
-
-
-def frame(seed: int, shape=(B, T, D)) -> torch.Tensor:
-    """K/V-like values: per-channel offsets and scales, one large channel."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * (0.5 + torch.rand(shape[-1], generator=g)) + torch.randn(shape[-1], generator=g)
-    x[..., 3] *= 6.0
-    return x
-
+from toys import B, D, H, INFO, T, frame, frame_bits, kv_frames, toy_recipe
 
 SPECS = {
     "token_asym_g8": TensorSpec(bits=2, group_size=8),
@@ -180,23 +129,6 @@ def test_codebook_rows_for_other_widths():
 
 
 # ---- QuantizedKVCache --------------------------------------------------------------------------------
-def kv_frames(n: int, seed: int = 0):
-    """n frames of (q, k, v) [B, H, T, D] and a rotary encoding per frame."""
-    out = []
-    for f in range(n):
-        q, k, v = (frame(seed + 3 * f + i, (B, H, T, D)) for i in range(3))
-        angles = torch.randn(B, T, D // 2, generator=torch.Generator().manual_seed(seed + 1000 + f))
-        out.append((q, k, v, Rope(angles)))
-    return out
-
-
-def frame_bits(stored_head: dict) -> int:
-    """Bit width of one stored head record, read off the record itself."""
-    if "fp16" in stored_head:
-        return 16
-    return stored_head["codes"].shape[-1] * 8 // D  # packed_nbytes(D, b) = D/8 * b
-
-
 def decoded_frame(cache: QuantizedKVCache, layer: int, f: int):
     """Decoded K, V [B, H, T, D] of kept frame f, via the public read()."""
     k, v = cache.read(layer)

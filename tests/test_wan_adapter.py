@@ -14,8 +14,8 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: E402
 
 from calibrate.adapters import wan_diffusers as wan  # noqa: E402
+from calibrate.adapters.wan_diffusers import WanSettings  # noqa: E402
 from calibrate.cache import KVCache, block_mask  # noqa: E402
-from calibrate.config import WanConfig  # noqa: E402
 from calibrate.recipe import load_recipe  # noqa: E402
 from calibrate.world.trajectories import make_trajectories  # noqa: E402
 
@@ -59,7 +59,7 @@ def cached(adapter, latents, window, sink, chunk_frames):
 
 @pytest.mark.parametrize("window,sink,chunk_frames", [(16, 1, 1), (2, 1, 1), (2, 0, 2), (3, 1, 2)])
 def test_cached_chunks_equal_uncached_block_causal_forward(window, sink, chunk_frames):
-    adapter = wan.load(None, WanConfig(chunk_frames=chunk_frames), CPU)
+    adapter = wan.load(None, WanSettings(chunk_frames=chunk_frames), CPU)
     g = torch.Generator().manual_seed(3)
     latents = torch.randn(2, adapter.channels, 6, 16, 16, generator=g)
     ref = uncached(adapter, latents, window, sink, chunk_frames)
@@ -73,7 +73,7 @@ def test_cached_chunks_equal_uncached_block_causal_forward(window, sink, chunk_f
 
 
 def test_rope_angles_match_diffusers_rope():
-    adapter = wan.load(None, WanConfig(), CPU)
+    adapter = wan.load(None, WanSettings(), CPU)
     cos, sin = adapter.transformer.rope(torch.zeros(1, 4, 5, 8, 8))  # [1, F*H*W, 1, head_dim], interleaved
     angles = wan.rope_angles(64, range(5), 4, 4)
     torch.testing.assert_close(angles.cos().float(), cos[0, :, 0, 0::2].float())
@@ -83,7 +83,7 @@ def test_rope_angles_match_diffusers_rope():
 
 
 def test_denoising_passes_leave_the_cache_unchanged():
-    adapter = wan.load(None, WanConfig(), CPU)
+    adapter = wan.load(None, WanSettings(), CPU)
     cache = KVCache(adapter.info.num_layers, 4, 1)
     x = torch.randn(1, adapter.channels, 1, 16, 16)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_denoising_passes_leave_the_cache_unchanged():
 
 
 def test_rollout_shapes_determinism_and_chunking():
-    adapter = wan.load(None, WanConfig(chunk_frames=2), CPU)
+    adapter = wan.load(None, WanSettings(chunk_frames=2), CPU)
     trajs = make_trajectories(["orbit"], "calibration", 2, 6)
     a = adapter.rollout(trajs, KVCache(2, 16, 1), CPU)
     b = adapter.rollout(trajs, KVCache(2, 16, 1), CPU)
@@ -112,32 +112,32 @@ def test_rollout_shapes_determinism_and_chunking():
 
 def test_bad_weights_paths(tmp_path):
     with pytest.raises(wan.AdapterError, match="not a diffusers model directory"):
-        wan.load(str(tmp_path / "missing"), WanConfig(), CPU)
+        wan.load(str(tmp_path / "missing"), WanSettings(), CPU)
     model = wan.tiny_transformer()
     model.save_pretrained(tmp_path / "tiny")
-    assert wan.load(str(tmp_path / "tiny"), WanConfig(), CPU).info.fingerprint == wan.load(None, WanConfig(), CPU).info.fingerprint
+    assert wan.load(str(tmp_path / "tiny"), WanSettings(), CPU).info.fingerprint == wan.load(None, WanSettings(), CPU).info.fingerprint
     cfg = (tmp_path / "tiny" / "config.json").read_text().replace('"num_attention_heads": 2', '"num_attention_heads": 4')
     (tmp_path / "tiny" / "config.json").write_text(cfg)
     with pytest.raises(wan.AdapterError, match="does not load"):
-        wan.load(str(tmp_path / "tiny"), WanConfig(), CPU)
+        wan.load(str(tmp_path / "tiny"), WanSettings(), CPU)
 
 
 def test_text_embedding_file(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"text_embedding": torch.randn(5, 32)}, tmp_path / "ok.safetensors")
-    assert wan.load(None, WanConfig(text_embedding=str(tmp_path / "ok.safetensors")), CPU).text.shape == (5, 32)
+    assert wan.load(None, WanSettings(text_embedding=str(tmp_path / "ok.safetensors")), CPU).text.shape == (5, 32)
     save_file({"text_embedding": torch.randn(5, 31)}, tmp_path / "dim.safetensors")
     save_file({"other": torch.randn(5, 32)}, tmp_path / "key.safetensors")
     for name, message in (("dim", r"expected \[L, 32\]"), ("key", "no tensor 'text_embedding'"), ("missing", "cannot read")):
         with pytest.raises(wan.AdapterError, match=message):
-            wan.load(None, WanConfig(text_embedding=str(tmp_path / f"{name}.safetensors")), CPU)
+            wan.load(None, WanSettings(text_embedding=str(tmp_path / f"{name}.safetensors")), CPU)
 
 
 def test_missing_diffusers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers -> ImportError
     with pytest.raises(wan.AdapterError, match=r'pip install -e "\.\[diffusers\]"'):
-        wan.load(None, WanConfig(), CPU)
+        wan.load(None, WanSettings(), CPU)
 
 
 # ---- the command line, end to end on the tiny random Wan ---------------------------------------
@@ -162,7 +162,7 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     cal = calibrate(*SMALL, f"hydra.run.dir={tmp_path / 'cal'}")
     assert cal.returncode == 0, cal.stderr[-2000:]
     recipe_path = tmp_path / "cal" / "recipe.safetensors"
-    adapter = wan.load(None, WanConfig(), CPU)
+    adapter = wan.load(None, WanSettings(), CPU)
     recipe = load_recipe(recipe_path, adapter.info)  # validates shapes against the Wan model
     assert recipe.model.name == "wan_diffusers" and recipe.model.tokens_per_frame == 64
     report = json.loads((tmp_path / "cal" / "report.json").read_text())

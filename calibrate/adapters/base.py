@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import KVCache
-from calibrate.recipe import ModelInfo
-from calibrate.world.trajectories import Trajectory
+from calibrate.types import ModelInfo, Trajectory
 
 
 class AdapterError(ValueError):

@@ -8,11 +8,10 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import KVCache
-from calibrate.recipe import ModelInfo
-from calibrate.world.model import TinyWorld, model_fingerprint
+from calibrate.types import ModelInfo, Trajectory, weights_fingerprint
+from calibrate.world.model import TinyWorld
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
-from calibrate.world.trajectories import Trajectory
 
 
 class TinyWorldAdapter:
@@ -20,7 +19,7 @@ class TinyWorldAdapter:
         self.model = model
         c = model.cfg
         self.info = ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_heads, head_dim=c.head_dim,
-                              tokens_per_frame=c.tokens_per_frame, fingerprint=model_fingerprint(model))
+                              tokens_per_frame=c.tokens_per_frame, fingerprint=weights_fingerprint(model))
 
     def ground_truth(self, trajs: list[Trajectory], device: torch.device, first_only: bool = False) -> Tensor:
         return torch.stack([render(make_scene(t.seed), t.poses[:1] if first_only else t.poses) for t in trajs]).to(device)

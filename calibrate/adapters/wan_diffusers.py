@@ -35,7 +35,7 @@ weights, `TINY` builds a small random model (tests, CPU smoke runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -45,10 +45,7 @@ from torch import Tensor
 
 from calibrate.adapters.base import AdapterError  # noqa: F401  (re-exported for callers)
 from calibrate.cache import KVCache, Rope
-from calibrate.config import WanConfig
-from calibrate.recipe import ModelInfo
-from calibrate.world.model import model_fingerprint
-from calibrate.world.trajectories import Trajectory
+from calibrate.types import ModelInfo, Trajectory, weights_fingerprint
 
 # A small random Wan for tests and CPU runs: 2 layers x 2 heads x head_dim 64 (Wan's RoPE splits
 # head_dim into 24 time + 20 height + 20 width channels), 4 latent channels, patch (1, 2, 2).
@@ -57,6 +54,33 @@ TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, 
 TINY_SEED = 0
 TEXT_TOKENS = 8  # length of the seeded random text embedding
 ROPE_THETA = 10000.0
+
+
+WAN_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class WanSettings:
+    """How the adapter rolls Wan out (`model.wan` in the Hydra config, which uses this class as its schema)."""
+
+    chunk_frames: int = 1  # latent frames per generated chunk = one cache frame (Self-Forcing: 3)
+    latent_height: int = 16  # latent grid (480x832 video with Wan's VAE: 60 x 104)
+    latent_width: int = 16
+    denoise_timesteps: list[int] = field(default_factory=lambda: [1000, 750, 500, 250])  # few-step sampler
+    shift: float = 5.0  # flow-matching timestep shift (sigma' = shift*s / (1 + (shift-1)*s))
+    text_embedding: str | None = None  # .safetensors with `text_embedding` [L, text_dim]; None = seeded random
+    dtype: str = "float32"  # one of WAN_DTYPES
+
+    def check(self, where: str = "model.wan") -> None:
+        """One-line ValueError naming the first field out of range."""
+        for name in ("chunk_frames", "latent_height", "latent_width", "shift"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: {where}.{name} must be > 0, got {getattr(self, name)}")
+        if not self.denoise_timesteps or any(not 0 < t <= 1000 for t in self.denoise_timesteps):
+            raise ValueError(f"config: {where}.denoise_timesteps must be a non-empty list in (0, 1000], "
+                             f"got {self.denoise_timesteps}")
+        if self.dtype not in WAN_DTYPES:
+            raise ValueError(f"config: {where}.dtype must be float32 or bfloat16, got '{self.dtype}'")
 
 
 def _diffusers():
@@ -125,7 +149,7 @@ class CachedSelfAttention:
 
 # ---- the adapter -----------------------------------------------------------------------------
 class WanAdapter:
-    def __init__(self, transformer, cfg: WanConfig, text_embedding: Tensor, name: str = "wan_diffusers"):
+    def __init__(self, transformer, cfg: WanSettings, text_embedding: Tensor, name: str = "wan_diffusers"):
         self.transformer = transformer.eval()
         self.cfg = cfg
         c = transformer.config
@@ -147,7 +171,7 @@ class WanAdapter:
         self.info = ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_attention_heads,
                               head_dim=c.attention_head_dim,
                               tokens_per_frame=cfg.chunk_frames * self.grid[0] * self.grid[1],
-                              fingerprint=model_fingerprint(transformer))
+                              fingerprint=weights_fingerprint(transformer))
 
     def _processors(self) -> dict:
         """Our processor on every `attn1`, diffusers' own on the rest (cross-attention)."""
@@ -252,7 +276,7 @@ def load_text_embedding(path: str | None, text_dim: int) -> Tensor:
     return tensors["text_embedding"].float()
 
 
-def load(weights: str | None, cfg: WanConfig, device: torch.device) -> WanAdapter:
+def load(weights: str | None, cfg: WanSettings, device: torch.device) -> WanAdapter:
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     transformer = load_transformer(weights, dtype).to(device)
     text = load_text_embedding(cfg.text_embedding, transformer.config.text_dim)

@@ -45,7 +45,7 @@ from calibrate.evaluate.run import evaluate
 from calibrate.io import write_text_atomic
 from calibrate.memory import memory_section
 from calibrate.recipe import save_recipe
-from calibrate.replay import model_info, rollout_batch
+from calibrate.replay import rollout_batch
 from calibrate.runtime import QuantizedKVCache
 
 LONG_FROM = 64  # windows starting here or later are "long"
@@ -65,7 +65,7 @@ def variants(comp_rank: int) -> dict[str, dict]:
 
 def cpu_ms_per_frame(model, recipe, trajs, window: int, sink: int, device) -> float:
     """process_time of one rollout of `trajs` (one batch), per generated frame, in ms."""
-    cache = KVCache(model_info(model).num_layers, window, sink) if recipe is None else \
+    cache = KVCache(model.info.num_layers, window, sink) if recipe is None else \
         QuantizedKVCache.from_recipe(recipe, window, sink, device)
     start = time.process_time()
     rollout_batch(model, trajs, cache, device)

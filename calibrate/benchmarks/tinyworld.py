@@ -58,9 +58,10 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import KVCache
-from calibrate.evaluate.metrics import json_safe, psnr
+from calibrate.evaluate.metrics import json_safe, psnr, window_label
 from calibrate.io import write_text_atomic
-from calibrate.world.model import TinyWorld, model_fingerprint
+from calibrate.types import weights_fingerprint
+from calibrate.world.model import TinyWorld
 from calibrate.world.render import make_scene, render_batch
 from calibrate.world.rollout import rollout
 from calibrate.world.trajectories import (
@@ -163,10 +164,6 @@ def one_step_table(model: TinyWorld, groups: dict[str, Clips], window: int, sink
         row["moving_frames"] = _gain(_mean(model_BN[moving_BN]), _mean(copy_BN[moving_BN])) if moving_BN.any() else None
         table[family] = row
     return table
-
-
-def window_label(start: int, stop: int | None) -> str:
-    return f"{start}+" if stop is None else f"{start}-{stop}"
 
 
 def rollout_table(model: TinyWorld, groups: dict[str, Clips], window: int, sink_frames: int) -> dict[str, dict]:
@@ -569,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "format_version": FORMAT_VERSION,
         "command": " ".join([COMMAND, *map(shlex.quote, argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "weights": {"path": os.path.relpath(weights), "fingerprint": model_fingerprint(model)},
+        "weights": {"path": os.path.relpath(weights), "fingerprint": weights_fingerprint(model)},
         "config": {
             "split": SPLIT, "seed_range": list(SEED_RANGES[SPLIT]), "num_trajectories": args.num_trajectories,
             "num_frames": args.num_frames, "memory_trajectories": args.memory_trajectories,

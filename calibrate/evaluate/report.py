@@ -121,6 +121,17 @@ def build(runs: dict[str, SchemeRun], trajectories: list[dict], config: dict, th
 
 
 # ---- the blind-spot table ---------------------------------------------------------------------
+def summary_metrics(rep: dict) -> dict:
+    """The few numbers a recipe records about itself (and that task=check compares against),
+    from a report of that one recipe."""
+    (s,) = rep["schemes"].values()
+    m = s["metrics"]
+    return {"psnr_ref_all": m["psnr_ref"]["all"]["mean"], "psnr_ref_first16": m["psnr_ref"]["first16"]["mean"],
+            "psnr_ref_windows": {w: v["mean"] for w, v in m["psnr_ref"]["windows"].items()},
+            "flicker": m["flicker"]["all"]["mean"], "psnr_gt_all": m["psnr_gt"]["all"]["mean"],
+            "bits_per_element": s["memory"]["bits_per_element"]}
+
+
 def _fmt(x, digits=1):
     if x is None:
         return "-"

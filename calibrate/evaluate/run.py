@@ -21,15 +21,16 @@ from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate.adapters import as_world
+from calibrate.adapters.base import WorldAdapter
 from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe
-from calibrate.replay import World, batches, rollout_batch
+from calibrate.replay import batches, rollout_batch
 from calibrate.memory import fp16_cache_bytes
 from calibrate.runtime import QuantizedKVCache
 from calibrate.shadow import ShadowCache
-from calibrate.world.trajectories import Trajectory, revisit_pairs
+from calibrate.types import Trajectory
+from calibrate.world.trajectories import revisit_pairs
 
 SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")
 
@@ -98,13 +99,12 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
     return results, json.loads(meta["memory"]), json.loads(meta["attention"])
 
 
-def evaluate(model: World, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
+def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
              keep_frames: bool = False) -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`)."""
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
-    world = as_world(model)
     layers = world.info.num_layers
     attn_sums = {name: None for name in recipes}
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")

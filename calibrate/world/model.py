@@ -250,15 +250,4 @@ def warp(frames_B3HW: Tensor, flow_B2hw: Tensor) -> Tensor:
     return F.grid_sample(frames_B3HW, grid_BHW2, mode="bilinear", padding_mode="border", align_corners=False)
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """A short, stable hash of the weights (recipes record which model they were fitted on)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-__all__ = ["TinyWorld", "TinyWorldConfig", "block_mask", "model_fingerprint", "softmax_attention", "warp"]
+__all__ = ["TinyWorld", "TinyWorldConfig", "block_mask", "softmax_attention", "warp"]

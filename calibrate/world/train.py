@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -39,44 +39,11 @@ from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
+from calibrate.world.train_config import TrainConfig
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
 from calibrate.world.weights import check_tensors, read_weights_file
 
 log = logging.getLogger(__name__)
-
-MOTION_FAMILIES = ("orbit", "dolly", "pan", "random_walk", "stress")
-
-
-@dataclass
-class TrainConfig:
-    """Training schedule of TinyWorld (`task=train_world`)."""
-
-    steps: int = 3500  # optimizer steps in total (a resumed run continues up to this)
-    batch_size: int = 12  # clips per step
-    clip_frames: int = 24  # frames per clip (clip_frames - 1 predictions)
-    lr: float = 6e-4
-    weight_decay: float = 0.01
-    warmup_steps: int = 100  # linear lr warmup
-    self_forcing_start: int = 400  # first step that may use own rollouts as inputs
-    self_forcing_max: float = 0.5  # share of self-forced batches once ramped up
-    self_forcing_ramp: int = 600  # steps from start to max
-    revisit_share: float = 0.5  # share of clips from the `revisit` family
-    motion_families: list[str] = field(default_factory=lambda: list(MOTION_FAMILIES))  # the other clips, drawn
-    # uniformly from this list (name a family twice to double its share)
-    window: int = 16  # cache window the model trains under (frames)
-    sink_frames: int = 1
-    new_per_step: int = 4  # freshly rendered clips per step (the rest are replayed)
-    replay_steps: int = 100  # replayed clips come from this many previous steps
-    checkpoint_every: int = 50
-    seed: int = 0  # offset into the training seed range
-    num_threads: int = 0  # torch threads (0 = torch default)
-    model: dict = field(default_factory=dict)  # TinyWorldConfig overrides
-    loss: str = "mse"  # mse: pixel MSE of the batch; log_mse: mean over frames of 10 log10(MSE + log_mse_eps),
-    log_mse_eps: float = 1e-4  # i.e. minus the mean per-frame PSNR, so near-exact frames (a still camera)
-    # weigh like the rest instead of vanishing next to moving ones; eps caps that weight (1e-4 = 40 dB)
-    init_weights: str | None = None  # start from this weights file (a new stage: fresh optimizer and
-    # schedule; tensors it lacks keep their init); a checkpoint in the run dir takes precedence
-
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:

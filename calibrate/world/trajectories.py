@@ -50,16 +50,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from calibrate.io import safetensors_bytes, write_bytes_atomic
+from calibrate.io import read_versioned, safetensors_bytes, write_bytes_atomic
+from calibrate.types import FAMILIES, Trajectory, check_family
 from calibrate.world.render import CAMERA_RADIUS, CENTER
 
-FAMILIES = ("orbit", "dolly", "pan", "revisit", "random_walk", "stress", "static")
 SEED_RANGES = {
     "train": (0, 1_000_000),
     "calibration": (1_000_000, 2_000_000),
@@ -85,32 +83,6 @@ FORMAT_VERSION = "1.0"
 # Generation keeps this margin inside CAMERA_RADIUS so float32 rounding never leaves it.
 _RADIUS = CAMERA_RADIUS - 1e-3
 _Pose = tuple[float, float, float]
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """Poses [T, 3] (x, y, unwrapped yaw) and actions [T, 3] (forward, strafe_left, dyaw), float32."""
-
-    family: str
-    seed: int
-    poses: Tensor
-    actions: Tensor
-
-    def __post_init__(self) -> None:
-        _check_family(self.family)
-        if self.poses.ndim != 2 or self.poses.shape[1] != 3 or self.poses.shape[0] == 0:
-            raise ValueError(f"poses must have shape [T, 3] with T >= 1, got {tuple(self.poses.shape)}")
-        if self.actions.shape != self.poses.shape:
-            raise ValueError(f"actions shape {tuple(self.actions.shape)} != poses shape {tuple(self.poses.shape)}")
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.poses.shape[0])
-
-
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown trajectory family {family!r}; allowed: {', '.join(FAMILIES)}")
 
 
 def split_of(seed: int) -> str:
@@ -360,7 +332,7 @@ _GENERATORS: dict[str, Callable[[_Draws, int], list[_Pose]]] = {
 
 def make_trajectory(family: str, seed: int, num_frames: int) -> Trajectory:
     """The ``family`` trajectory of ``num_frames`` frames for ``seed`` (deterministic)."""
-    _check_family(family)
+    check_family(family)
     if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0:
         raise ValueError(f"num_frames must be a positive integer, got {num_frames!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -387,7 +359,7 @@ def make_trajectories(
     if not names:
         raise ValueError("families must name at least one family")
     for name in names:
-        _check_family(name)
+        check_family(name)
     if num_trajectories < 0 or base_seed < 0:
         raise ValueError(f"num_trajectories and base_seed must be >= 0, got {num_trajectories}, {base_seed}")
     lo, hi = SEED_RANGES[split]
@@ -457,17 +429,7 @@ def save_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> N
 
 def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
     """Read a file written by ``save_trajectories``; ``ValueError`` naming the bad field."""
-    try:
-        with safe_open(os.fspath(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
-    version = metadata.get("format_version", "")
-    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
-        raise ValueError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+    metadata, tensors = read_versioned(path, FORMAT, FORMAT_VERSION, "trajectories")
     try:
         count = int(metadata["num_trajectories"])
     except (KeyError, ValueError) as err:

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from calibrate.io import safetensors_bytes, write_bytes_atomic
+from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 
 WEIGHTS_FORMAT = "tinyworld-weights"
+WEIGHTS_VERSION = "1.0"
 SHIPPED = Path(__file__).resolve().parents[2] / "artifacts" / "models" / "tinyworld.safetensors"
 
 
@@ -24,7 +25,7 @@ def default_weights_path() -> Path:
 
 
 def save_weights(model: TinyWorld, path: str | os.PathLike, extra_meta: dict | None = None) -> None:
-    meta = {"format": WEIGHTS_FORMAT, "format_version": "1.0", "config": json.dumps(model.cfg.to_dict(), sort_keys=True)}
+    meta = {"format": WEIGHTS_FORMAT, "format_version": WEIGHTS_VERSION, "config": json.dumps(model.cfg.to_dict(), sort_keys=True)}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (extra_meta or {}).items()})
     tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(model.state_dict().items())}
     write_bytes_atomic(path, safetensors_bytes(tensors, meta))
@@ -34,11 +35,7 @@ def read_weights_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tenso
     """(metadata, tensors) of a weights file; a one-line ValueError naming the file otherwise."""
     if not path.is_file():
         raise ValueError(f"{path}: TinyWorld weights file not found (train with: python -m calibrate task=train_world)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises several types for a bad header
-        raise ValueError(f"{path}: not a readable safetensors weights file ({str(e).splitlines()[0][:100]})") from None
+    return read_safetensors(path, "TinyWorld weights")
 
 
 def check_tensors(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -56,8 +53,7 @@ def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
     """Build TinyWorld from a weights file; every problem is a one-line ValueError naming the file."""
     p = Path(path) if path else default_weights_path()
     meta, tensors = read_weights_file(p)
-    if meta.get("format") != WEIGHTS_FORMAT:
-        raise ValueError(f"{p}: metadata 'format' is {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
+    check_format(p, meta, WEIGHTS_FORMAT, WEIGHTS_VERSION)
     try:
         raw = json.loads(meta["config"])
         known = {f.name for f in fields(TinyWorldConfig)}
