@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from calibrate.config import Config, FitConfig, validate
-from calibrate.fit.search import KEYFRAME_BITS, _policy_candidates
+from calibrate.fit.allocate import KEYFRAME_BITS, _policy_candidates
 from calibrate.memory import bits_per_element, fp16_cache_bytes
 from calibrate.recipe import Recipe, TensorSpec, TokenPolicy, uniform_scheme
 from calibrate.runtime import QuantizedKVCache

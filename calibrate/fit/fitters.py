@@ -122,14 +122,23 @@ def fit_tensor(kind: str, layer: int, trace: LayerTrace, reference: Tensor, othe
     return best
 
 
+def fitted_spec(spec: TensorSpec, head_bits: list[int], outliers: int = 0, sparse_fraction: float = 0.0,
+                comp_rank: int = 0) -> TensorSpec:
+    """The choice's spec with per-head bits, `outliers` float16 channels per head, a dense-and-sparse
+    share and a compensator rank: all the memory model needs to count its bytes."""
+    spec = replace(spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None,
+                   sparse_fraction=sparse_fraction, comp_rank=comp_rank)
+    return replace(spec, outliers=outliers) if outliers else spec
+
+
 def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers: Tensor | None,
               sparse_fraction: float = 0.0, comp: tuple[Tensor, Tensor] | None = None,
               logit_var: Tensor | None = None) -> tuple[TensorSpec, dict[str, Tensor]]:
     """The choice with per-head bits (static ranges recomputed per width), outlier channels,
     dense-and-sparse outliers, a low-rank compensator (down [H, D, r], up [H, r, D]) and the
     key-noise logit correction (role `logit_bias` [H, D], keys only)."""
-    spec = replace(choice.spec, bits=min(head_bits), head_bits=list(head_bits) if len(set(head_bits)) > 1 else None,
-                   sparse_fraction=sparse_fraction, comp_rank=0 if comp is None else comp[0].shape[-1])
+    spec = fitted_spec(choice.spec, head_bits, 0 if outliers is None else outliers.shape[1], sparse_fraction,
+                       0 if comp is None else comp[0].shape[-1])
     tensors = dict(choice.tensors)
     if spec.axis == "channel" and spec.static:
         clip_H = choice.clip_H
@@ -138,7 +147,6 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
         tensors["scale"] = torch.cat([p[0] for p in parts])
         tensors["zero_point"] = torch.cat([p[1] for p in parts])
     if outliers is not None:
-        spec = replace(spec, outliers=outliers.shape[1])
         tensors["outlier_channels"] = outliers
     if comp is not None:
         tensors["comp_down"], tensors["comp_up"] = comp
@@ -147,4 +155,4 @@ def with_bits(choice: Choice, sample_HND: Tensor, head_bits: list[int], outliers
     return spec, tensors
 
 
-__all__ = ["Choice", "fit_tensor", "with_bits", "outlier_channels"]
+__all__ = ["Choice", "fit_tensor", "fitted_spec", "with_bits", "outlier_channels"]
