@@ -25,7 +25,8 @@ from typing import Any, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from calibrate.stats import KVStats, QuerySample, merge_queries, merge_rule
+from calibrate.sample import QuerySample, merge_queries
+from calibrate.stats import KVStats, merge_rule
 
 T = TypeVar("T")
 

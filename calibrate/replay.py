@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from calibrate.adapters.base import WorldAdapter
 from calibrate.cache import Attended, KVCache
-from calibrate.stats import KVStats, KVStatsConfig, QuerySample, frame_mass, load_stats
+from calibrate.sample import QuerySample
+from calibrate.stats import KVStats, KVStatsConfig, frame_mass, load_stats
 from calibrate.types import ModelInfo, Trajectory
 
 

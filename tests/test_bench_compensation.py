@@ -1,7 +1,7 @@
 """The compensation benchmark's verdict: a mechanism earns a default only with better long-window
 PSNR and flicker at most 1% worse than `off` at the same budget; declined mechanisms are named."""
 
-from calibrate.benchmarks.compensation import variants, verdicts
+from benchmarks.compensation import variants, verdicts
 
 
 def _row(psnr_long, flicker, comp=0, keyframes="none", alpha=()):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from calibrate.benchmarks.tinyworld import main
+from benchmarks.tinyworld import main
 from calibrate.types import weights_fingerprint
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.weights import save_weights
@@ -46,7 +46,7 @@ def test_writes_every_bar(tmp_path, weights, capsys):
     }
     assert {"1-16", "17-64"} <= set(report["rollout"]["orbit"]["windows"])
 
-    command = "python -m calibrate.benchmarks.tinyworld " + " ".join(argv)
+    command = "python -m benchmarks.tinyworld " + " ".join(argv)
     assert report["command"] == command
     markdown = (out / "tinyworld.md").read_text()
     assert command in markdown and fingerprint in markdown
@@ -68,7 +68,7 @@ def test_too_few_frames_is_exit_2(tmp_path, weights, capsys):
 
 def test_return_legs_split_into_dwell_retrace_and_return_frames(weights):
     """Every return-leg frame is exactly one kind; pooled and per-frame numbers are both there."""
-    from calibrate.benchmarks.tinyworld import Clips, memory_bars
+    from benchmarks.tinyworld import Clips, memory_bars
     from calibrate.world.trajectories import make_trajectories
     from calibrate.world.weights import load_weights
 

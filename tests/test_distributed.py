@@ -15,6 +15,7 @@ import torch
 
 from calibrate import stats as S
 from calibrate.distributed import reduce_queries, reduce_stats, shard, shard_indices
+from calibrate.sample import QuerySample
 
 L, H, D, T = 2, 2, 8, 4
 NUM_TRAJECTORIES, NUM_FRAMES = 5, 6
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _collect(trajectories):
     """Stats and query sample of the given trajectories, each a deterministic random rollout."""
     st = S.KVStats(CFG)
-    qs = S.QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=16)
+    qs = QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=16)
     for traj in trajectories:
         g = torch.Generator().manual_seed(traj)
         for f in range(NUM_FRAMES):

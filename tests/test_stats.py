@@ -7,6 +7,7 @@ from safetensors.torch import save_file
 
 from calibrate import stats as S
 from calibrate import stats_report as V
+from calibrate.sample import QuerySample, merge_queries
 
 L, H, D = 2, 2, 8
 CFG = S.KVStatsConfig(num_layers=L, num_heads=H, head_dim=D, num_bins=64, hist_range=(-4.0, 4.0),
@@ -182,7 +183,7 @@ def test_range_drift_follows_buckets():
 def test_save_load_round_trip(tmp_path):
     st = _stats(_frames(9))
     st.update_attention(0, torch.full((2, H, 3), 1 / 3), [0, 4, 5], 5)
-    qs = S.QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=10, seed=3)
+    qs = QuerySample(num_layers=L, num_heads=H, head_dim=D, capacity=10, seed=3)
     qs.update(0, torch.randn(2, H, 16, D))
     path = tmp_path / "stats.safetensors"
     st.save(path, model={"name": "tiny", "num_layers": L}, samples={"q": qs})
@@ -277,7 +278,7 @@ def _ids(num_tokens, start=0):
 
 def test_query_reservoir_is_bounded_deterministic_and_uniformish():
     def run(seed):
-        qs = S.QuerySample(num_layers=1, num_heads=H, head_dim=D, capacity=100, seed=seed)
+        qs = QuerySample(num_layers=1, num_heads=H, head_dim=D, capacity=100, seed=seed)
         for f in range(50):
             qs.update(0, _ids(40, start=40 * f))
         return qs
@@ -293,14 +294,14 @@ def test_query_reservoir_is_bounded_deterministic_and_uniformish():
 
 def test_query_merge_bounds_membership_and_union():
     def sample(start, n, cap=50):
-        qs = S.QuerySample(num_layers=1, num_heads=H, head_dim=D, capacity=cap, seed=start)
+        qs = QuerySample(num_layers=1, num_heads=H, head_dim=D, capacity=cap, seed=start)
         qs.update(0, _ids(n, start))
         return qs
     a, b = sample(0, 200), sample(10_000, 80)
-    m = S.merge_queries(a, b)
+    m = merge_queries(a, b)
     ids = set(m.samples(0)[:, 0, 0].tolist())
     assert len(m.samples(0)) == 50 and int(m.num_seen_L[0]) == 280
     assert ids <= set(a.samples(0)[:, 0, 0].tolist()) | set(b.samples(0)[:, 0, 0].tolist())
-    assert torch.equal(S.merge_queries(a, b).samples(0), m.samples(0))
-    small = S.merge_queries(sample(0, 20), sample(10_000, 10))
+    assert torch.equal(merge_queries(a, b).samples(0), m.samples(0))
+    small = merge_queries(sample(0, 20), sample(10_000, 10))
     assert sorted(small.samples(0)[:, 0, 0].tolist()) == list(range(20)) + list(range(10_000, 10_010))

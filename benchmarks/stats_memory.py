@@ -1,6 +1,6 @@
 """Benchmark: peak memory of `task=stats` does not grow with the rollout length.
 
-    python -m calibrate.benchmarks.stats_memory [--out artifacts/benchmarks] [--lengths 128,1024]
+    python -m benchmarks.stats_memory [--out artifacts/benchmarks] [--lengths 128,1024]
 
 Runs `python -m calibrate task=stats` once per trajectory length (same families and number of
 trajectories) in a fresh process and reads that process's peak resident set size from the OS
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             rows.append({"num_frames": n, "peak_rss_mib": round(rss, 1), "seconds": round(seconds, 1)})
             print(f"{n:5d} frames: peak RSS {rss:8.1f} MiB ({seconds:.0f} s)")
     ratio = rows[-1]["peak_rss_mib"] / rows[0]["peak_rss_mib"]
-    command = "python -m calibrate.benchmarks.stats_memory " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.stats_memory " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"rows": rows, "ratio": round(ratio, 4), "target": 1.2, "met": ratio <= 1.2, "command": command}
     lines = ["# Peak memory of task=stats vs rollout length", "",
              f"Command: `{command}`  ", f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",

@@ -1,7 +1,7 @@
 """Benchmark: error compensation (issue 6) on and off at equal total budget.
 
-    python -m calibrate.benchmarks.compensation [--out artifacts/benchmarks] [--budgets 2.5,3.25]
-    python -m calibrate.benchmarks.compensation --quick --out /tmp/bench   # a few minutes: sanity run
+    python -m benchmarks.compensation [--out artifacts/benchmarks] [--budgets 2.5,3.25]
+    python -m benchmarks.compensation --quick --out /tmp/bench   # a few minutes: sanity run
 
 Fits `ours` once per mechanism from one calibration replay, every variant under the same
 `fit.budget_bits` (per-frame bytes of every mechanism counted inside it: key frames spend it,
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     rows = {n: row(n, rep, r, records[n], cpu_ms_per_frame(model, r, timed, window, sink, device), window, sink)
             for n, r in recipes.items()}
     verdict = verdicts(rows, budgets, variants(args.comp_rank))
-    command = "python -m calibrate.benchmarks.compensation " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.compensation " + " ".join(argv if argv is not None else sys.argv[1:])
     setup = (f"Calibration: {args.calib_trajectories} x {args.calib_frames} frames; held-out evaluation: "
              f"{len(trajs)} trajectories (all families) x {args.frames} frames; window {window} + {sink} sink; "
              f"budget(s) {', '.join(f'{b:g}' for b in budgets)} bits/element; compensator rank {args.comp_rank}."

@@ -1,6 +1,6 @@
 """Benchmark: the fitted recipe (`ours`) and its ablations against the baselines.
 
-    python -m calibrate.benchmarks.fit [--out artifacts/benchmarks] [--frames 256] [--trajectories 7]
+    python -m benchmarks.fit [--out artifacts/benchmarks] [--frames 256] [--trajectories 7]
 
 Fits `ours` with the default config, with one mechanism off at a time (temporal term,
 rotation, outlier channels, anchor policy, mixed precision, dense-and-sparse), and at a
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     rows = table(runs, rep)
     tgts = targets(rows)
-    command = "python -m calibrate.benchmarks.fit " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.fit " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(rows, tgts, records, command, time.time() - t0, len(trajs), args.frames)
     out = Path(args.out)
     write_text_atomic(out / "fit.md", md)

@@ -1,6 +1,6 @@
 """Does TinyWorld meet its bars? Measured on held-out rooms (the evaluation seed range).
 
-    python -m calibrate.benchmarks.tinyworld [--weights PATH] [--out artifacts/benchmarks]
+    python -m benchmarks.tinyworld [--weights PATH] [--out artifacts/benchmarks]
                                              [--num-trajectories N] [--num-frames N]
 
 Writes ``tinyworld.json`` and ``tinyworld.md`` into ``--out`` and prints the table. Numbers are
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "tinyworld-benchmark"
 FORMAT_VERSION = "1.0"
-COMMAND = "python -m calibrate.benchmarks.tinyworld"
+COMMAND = "python -m benchmarks.tinyworld"
 SPLIT = "evaluation"
 BAR_FAMILIES = ("orbit", "dolly", "pan", "random_walk")
 DEFAULT_WINDOW, DEFAULT_SINK = 16, 1

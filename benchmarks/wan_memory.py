@@ -1,6 +1,6 @@
 """KV-cache memory of the real Wan-2.1 1.3B causal models, computed from their configuration.
 
-    python -m calibrate.benchmarks.wan_memory [--out artifacts/benchmarks]
+    python -m benchmarks.wan_memory [--out artifacts/benchmarks]
 
 No weights are needed: the runtime predicts a cache's bytes from a recipe and the model's shape
 alone (`memory.predicted_cache_bytes`, which a test checks equals the bytes measured from the
@@ -53,7 +53,7 @@ def markdown(rows: list[dict], info: ModelInfo) -> str:
         "# KV-cache memory of Wan2.1-T2V-1.3B (batch 1), from its configuration",
         "",
         f"- date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
-        "- command: `python -m calibrate.benchmarks.wan_memory --out artifacts/benchmarks`",
+        "- command: `python -m benchmarks.wan_memory --out artifacts/benchmarks`",
         f"- shape: {info.num_layers} layers x {info.num_kv_heads} heads x head_dim {info.head_dim}; "
         f"{info.tokens_per_frame} tokens per cache frame (a chunk of 3 latent frames of 1560 tokens, 480x832 video); "
         "1 sink chunk",
