@@ -1,9 +1,15 @@
 """Encode one head of one frame's K or V as a recipe's `TensorSpec` says, and decode it.
 
 This is the arithmetic both the runtime (packed storage) and the fitters (fake quantization)
-share. `encode` returns the *stored* form of x_BTD (packed codes and per-token parameters in
-float16); `decode` turns it back into values; `fake_quant` is the reference path, the same
-arithmetic with codes left unpacked, that the tests hold the packed runtime to.
+share. Its input is a spec, the per-head role tensors of one layer's K or V (as a recipe holds
+them, or as the fitter builds a candidate) and a width: `head_params(spec, tensors, head, bits)`
+picks one head's parameters. `encode` returns the *stored* form of x_BTD (packed codes and
+per-token parameters in float16); `decode` turns it back into values; `fake_quant` is the
+reference path, the same arithmetic with codes left unpacked, that the tests hold the packed
+runtime to (`fake_quant_heads` runs it over every head of whole frames); `frame_nbytes` says
+what `encode` stores, from the spec alone, for the memory model (memory.py). The way values
+become codes is a *code kind* (`CODE_KINDS`: uniform affine, codebook): the plug-in point for
+new quantizers (ARCHITECTURE.md).
 
 Order of operations for one head (x of shape [B, T, D]; B batch, T tokens, D head_dim):
 
