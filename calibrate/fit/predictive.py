@@ -1,0 +1,115 @@
+"""Fit one head's predictive transform code (quant/predictive.py) from second-moment statistics.
+
+Inputs per head: the mean and covariance of the cached vectors, and the covariance of their
+frame-to-frame change (x_t - x_{t-1} of the same trajectory), all mergeable sums that the
+recording cache streams (stats.py). Then:
+
+1. **Basis**: R = eigenvectors of the covariance, strongest first (PCA). In that basis component i
+   has variance sigma_i^2 (an eigenvalue) and frame-to-frame change variance d_i^2 = (R^T C_d R)_ii.
+2. **Bits**: widths b_i from a greedy reverse water-filling on the Gaussian distortion model
+   D_i(b) = w_i g(b): each next bit goes to the component whose distortion it lowers most. Inter
+   mode (most tokens) sees d_i^2, intra mode sigma_i^2; w_i = d_i^2 + intra_weight * sigma_i^2.
+3. **Steps**: the MSE-optimal uniform step of a Gaussian at b bits (`GAUSSIAN_STEP`, times
+   sigma_i for intra and d_i for inter), scaled by the fitted multipliers.
+4. **Integer grid**: unit_i = min(intra step, inter step) / (2 * resolution), so both steps are
+   whole multiples of the unit within 1/resolution; anchors hold |v| up to clip_sd * sigma_i,
+   which sets their width a_i (at most 16 bits: beyond that the unit grows instead).
+
+`gaussian_uniform_step` recomputes the table by minimizing the Gaussian MSE (a test holds the
+constants to it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictiveParams
+
+# MSE-optimal step and its MSE of a uniform mid-rise quantizer with 2^b levels for a unit Gaussian
+# (computed by `gaussian_uniform_step`; cf. Max, 1960); index b = 1..8. b = 0: the component is not coded (distortion 1).
+GAUSSIAN_STEP = (0.0, 1.5958, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
+GAUSSIAN_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.003495, 0.00104, 0.0003043, 0.00008769)
+
+
+def gaussian_uniform_mse(step: float, bits: int) -> float:
+    """MSE of the mid-rise uniform quantizer with 2^bits levels and this step on N(0, 1)."""
+    n = 2**bits
+    levels = [(k - (n - 1) / 2) * step for k in range(n)]
+    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+    pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
+    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))
+    mse = 0.0
+    for lvl, a, b in zip(levels, edges, edges[1:]):
+        # E[(x - l)^2; a < x < b] = (1 + l^2)(P) - 2l(pdf(a) - pdf(b)) + (a pdf(a) - b pdf(b))
+        p = cdf(b) - cdf(a)
+        m1 = pdf(a) - pdf(b)
+        m2 = p + ((a * pdf(a)) if math.isfinite(a) else 0.0) - ((b * pdf(b)) if math.isfinite(b) else 0.0)
+        mse += m2 - 2 * lvl * m1 + lvl * lvl * p
+    return mse
+
+
+def gaussian_uniform_step(bits: int) -> float:
+    """The step minimizing `gaussian_uniform_mse` (golden-section search)."""
+    from scipy.optimize import minimize_scalar
+
+    return float(minimize_scalar(lambda s: gaussian_uniform_mse(s, bits), bounds=(1e-3, 3.0), method="bounded",
+                                 options={"xatol": 1e-7}).x)
+
+
+def allocate_bits(weight_D: Tensor, total_bits: int, max_bits: int = MAX_BITS) -> Tensor:
+    """Integer widths [D] summing to `total_bits`: each bit where it lowers w_i * mse(b) the most.
+
+    Ties go to the lower index (the stronger principal component).
+    """
+    D = weight_D.numel()
+    if not 0 <= total_bits <= max_bits * D:
+        raise ValueError(f"cannot spend {total_bits} bits on {D} components of at most {max_bits} bits")
+    mse = torch.tensor(GAUSSIAN_MSE + (0.0,), dtype=torch.float64)
+    w = weight_D.double().clamp_min(0)
+    bits = torch.zeros(D, dtype=torch.int64)
+    for _ in range(total_bits):
+        gain = w * (mse[bits] - mse[(bits + 1).clamp_max(max_bits + 1)])
+        gain[bits >= max_bits] = -1.0
+        bits[int(torch.argmax(gain))] += 1  # argmax returns the first maximum
+    return bits
+
+
+def pca(cov_DD: Tensor) -> tuple[Tensor, Tensor]:
+    """(eigenvalues, eigenvectors as columns), strongest first; float64 in, float32 out."""
+    evals, evecs = torch.linalg.eigh(cov_DD.double())
+    return evals.flip(0).clamp_min(0).float(), evecs.flip(-1).float().contiguous()
+
+
+def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: float, *, intra_weight: float = 0.1,
+             intra_mult: float = 1.3, inter_mult: float = 0.7, resolution: int = 2, clip_sd: float = 4.0,
+             rotation_DD: Tensor | None = None) -> PredictiveParams:
+    """A head's predictive code spending `avg_bits` per component on average (see module docstring)."""
+    D = mean_D.numel()
+    if rotation_DD is None:
+        _, rotation_DD = pca(cov_DD)
+    R = rotation_DD.float()
+    sigma = torch.diagonal(R.double().T @ cov_DD.double() @ R.double()).clamp_min(0).sqrt().float().clamp_min(1e-8)
+    delta = torch.diagonal(R.double().T @ delta_cov_DD.double() @ R.double()).clamp_min(0).sqrt().float()
+    delta = torch.maximum(delta, sigma * 1e-3)  # a component that never changed still gets a finite step
+    bits = allocate_bits(delta.pow(2) + intra_weight * sigma.pow(2), int(round(avg_bits * D)))
+    g = torch.tensor(GAUSSIAN_STEP)[bits]
+    s_intra, s_inter = g * sigma * intra_mult, g * delta * inter_mult
+    n = (1 << bits) - 1
+    max_v = 2 ** (MAX_ANCHOR_BITS - 1) - 1
+    # the reach of an anchor: clip_sd standard deviations, and at least the outermost intra level
+    span = torch.maximum(clip_sd * sigma, n * s_intra / 2)
+    unit = torch.maximum(torch.minimum(s_intra, s_inter) / (2 * resolution), span / max_v)  # anchors <= 16 bits
+    coded = bits > 0
+    unit = torch.where(coded, unit, torch.ones_like(unit))
+    intra_step = torch.round(s_intra / (2 * unit)).to(torch.int64).clamp_min(1)
+    intra_step = torch.minimum(intra_step, (max_v // n.clamp_min(1)).clamp_min(1))
+    inter_step = torch.round(s_inter / (2 * unit)).to(torch.int64).clamp(1, max_v)
+    reach = torch.maximum(torch.ceil(clip_sd * sigma / unit).to(torch.int64), intra_step * n).clamp(1, max_v)
+    anchor = torch.ceil(torch.log2(2 * reach.double() + 1)).to(torch.int64).clamp(2, MAX_ANCHOR_BITS)
+    anchor = torch.where(coded, anchor, torch.zeros_like(anchor))
+    intra_step = torch.where(coded, intra_step, torch.ones_like(intra_step))
+    inter_step = torch.where(coded, inter_step, torch.ones_like(inter_step))
+    return PredictiveParams(mean_D.float().contiguous(), R, unit.contiguous(), bits, intra_step, inter_step, anchor)

@@ -1,0 +1,149 @@
+"""Predictive transform coding: each frame of a head coded against the previous frame's reconstruction.
+
+Consecutive frames of a video world model's cache are nearly the same (a still or slowly moving
+camera), and K/V of one head live in a few principal directions. This code exploits both:
+
+1. **Transform.** u = (x - mean) @ R with R the head's principal axes (PCA of calibration data).
+   Component i gets its own width b_i (0..8 bits: many for strong components, none for the
+   weakest), so the bits go where the variance is (transform coding).
+2. **Integer state.** A token's reconstruction is an integer vector v: û_i = unit_i * v_i. Every
+   code moves v by whole units, so decoding is exact integer arithmetic: a chain of frames
+   decodes to the same v in every runtime, and never drifts.
+3. **Two modes per token.** *Intra*: v_i = s^I_i (2c - n_i), a mid-rise grid of n_i + 1 = 2^b_i
+   levels around 0. *Inter*: v_i = v'_i + s^P_i (2c - n_i), a step from the same token's state v'
+   in the previous frame (closed loop: the encoder predicts from what the decoder has, so errors
+   do not accumulate). The inter step s^P is sized for the frame-to-frame change, which is far
+   smaller than the values themselves, so a moving or still camera costs the same bits for a much
+   finer reconstruction. The encoder picks, per token, the mode with the smaller squared error
+   (ties: inter) and stores the choice in one bit. A component with b_i = 0 is 0 in intra mode and
+   keeps v'_i in inter mode.
+4. **Anchors.** A frame whose predecessor is no longer held (evicted from the window) is stored
+   as an *anchor*: its v itself, as signed integers of `anchor_bits` a_i per component, which
+   the fitter sizes so that |v_i| <= 2^(a_i - 1) - 1 always holds (the encoder never steps
+   outside). Re-anchoring when the window slides is therefore lossless.
+
+Arithmetic (recipes/FORMAT.md states it as the normative spec): float32; tau = u / unit with true
+division; codes c = clamp(rne((t / s + n) / 2), lo, hi) with t = tau (intra) or tau - v' (inter),
+lo/hi from [0, n] and, for inter, the anchor range. Shape legend: B batch, T tokens, D head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_BITS = 8  # widths of a component's code
+MAX_ANCHOR_BITS = 16  # widths of a component's anchor value
+
+
+@dataclass(frozen=True)
+class PredictiveParams:
+    """One head's code: per-component vectors [D] (float32 or int64) and the rotation [D, D]."""
+
+    mean_D: Tensor  # float32: subtracted before the rotation
+    rotation_DD: Tensor  # float32, orthogonal: u = (x - mean) @ R
+    unit_D: Tensor  # float32 > 0: value of one integer step of component i
+    bits_D: Tensor  # int64 in [0, 8]: code width of component i (both modes)
+    intra_step_D: Tensor  # int64 >= 1: intra levels are intra_step * (2c - n)
+    inter_step_D: Tensor  # int64 >= 1: inter steps are inter_step * (2c - n)
+    anchor_bits_D: Tensor  # int64 in [0, 16]: |v_i| <= 2^(a_i - 1) - 1; 0 iff bits == 0
+
+    @property
+    def levels_D(self) -> Tensor:
+        """n_i = 2^b_i - 1 (the largest code)."""
+        return (1 << self.bits_D) - 1
+
+    @property
+    def limit_D(self) -> Tensor:
+        """The largest |v_i| an anchor can hold."""
+        return torch.where(self.anchor_bits_D > 0, (1 << (self.anchor_bits_D - 1).clamp_min(0)) - 1, 0)
+
+
+def to_units(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """tau = ((x - mean) @ R) / unit: the target of the integer state, float32."""
+    return ((x_BTD.float() - p.mean_D) @ p.rotation_DD) / p.unit_D
+
+
+def _code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """The mid-rise code c in [lo, hi] nearest to t on the levels step * (2c - n)."""
+    c = torch.round((t / step + n) / 2)
+    return torch.minimum(torch.maximum(c, lo.to(c.dtype)), hi.to(c.dtype)).to(torch.int64)
+
+
+def intra(tau_BTD: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
+    """Intra codes and states: v = s^I (2c - n); 0-bit components give v = 0."""
+    n = p.levels_D
+    c = _code(tau_BTD, p.intra_step_D.float(), n.float(), torch.zeros_like(n), n)
+    return c, p.intra_step_D * (2 * c - n)
+
+
+def inter_range(v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
+    """Codes whose step keeps |v| <= limit: lo = ceil((n s - V - v') / 2s), hi = floor((n s + V - v') / 2s)."""
+    n, s, V = p.levels_D, p.inter_step_D, p.limit_D
+    lo = -torch.div(v_prev + V - n * s, 2 * s, rounding_mode="floor")
+    hi = torch.div(n * s + V - v_prev, 2 * s, rounding_mode="floor")
+    return lo.clamp_min(0), torch.minimum(hi, n)
+
+
+def inter(tau_BTD: Tensor, v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
+    """Inter codes and states: v = v' + s^P (2c - n), never outside the anchor range."""
+    lo, hi = inter_range(v_prev, p)
+    c = _code(tau_BTD - v_prev.float(), p.inter_step_D.float(), p.levels_D.float(), lo, hi)
+    return c, v_prev + p.inter_step_D * (2 * c - p.levels_D)
+
+
+def encode(x_BTD: Tensor, p: PredictiveParams, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(inter_BT bool, codes_BTD int64, v_BTD int64) of one frame; `v_prev` None = first frame (all intra)."""
+    tau = to_units(x_BTD, p)
+    c_i, v_i = intra(tau, p)
+    if v_prev is None:
+        return torch.zeros(tau.shape[:-1], dtype=torch.bool, device=tau.device), c_i, v_i
+    c_p, v_p = inter(tau, v_prev, p)
+    w = p.unit_D * p.unit_D
+    err_i = ((tau - v_i.float()).pow(2) * w).sum(-1)
+    err_p = ((tau - v_p.float()).pow(2) * w).sum(-1)
+    use_p = err_p <= err_i
+    return use_p, torch.where(use_p.unsqueeze(-1), c_p, c_i), torch.where(use_p.unsqueeze(-1), v_p, v_i)
+
+
+def apply_codes(inter_BT: Tensor, codes_BTD: Tensor, v_prev: Tensor | None, p: PredictiveParams) -> Tensor:
+    """The decoder: states v of a frame from its modes, codes and the previous frame's states."""
+    n = p.levels_D
+    v_intra = p.intra_step_D * (2 * codes_BTD - n)
+    if v_prev is None:
+        if bool(inter_BT.any()):
+            raise ValueError("a frame with inter-coded tokens needs the previous frame's states")
+        return v_intra
+    return torch.where(inter_BT.unsqueeze(-1), v_prev + p.inter_step_D * (2 * codes_BTD - n), v_intra)
+
+
+def values(v_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """Reconstruction x̂ = (unit * v) @ R^T + mean, float32."""
+    return (p.unit_D * v_BTD.float()) @ p.rotation_DD.T + p.mean_D
+
+
+def anchor_fields(v_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """An anchor's stored fields: v + 2^(a - 1) (offset binary, 0 for 0-width components)."""
+    offset = torch.where(p.anchor_bits_D > 0, 1 << (p.anchor_bits_D - 1).clamp_min(0), 0)
+    return v_BTD + offset
+
+
+def from_anchor_fields(fields_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    offset = torch.where(p.anchor_bits_D > 0, 1 << (p.anchor_bits_D - 1).clamp_min(0), 0)
+    return fields_BTD - offset
+
+
+def fake_quant_sequence(x_BFTD: Tensor, p: PredictiveParams, intra_only: bool = False) -> Tensor:
+    """Reference path over consecutive frames: the reconstruction of every frame, [B, F, T, D].
+
+    The first frame is intra; every later one chooses per token (or is intra with `intra_only`,
+    the ablation without temporal prediction). Anchoring never changes a reconstruction, so
+    this equals what the runtime decodes for any window.
+    """
+    out, v = [], None
+    for f in range(x_BFTD.shape[1]):
+        _, _, v = encode(x_BFTD[:, f], p, None if intra_only else v)
+        out.append(values(v, p))
+    return torch.stack(out, dim=1)

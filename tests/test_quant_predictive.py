@@ -1,0 +1,195 @@
+"""Predictive transform coding (quant/predictive.py) and mixed-width fields (quant/fields.py)."""
+
+import pytest
+import torch
+
+from calibrate.quant import predictive as P
+from calibrate.quant.fields import fields_nbytes, pack_fields, unpack_fields
+from calibrate.quant.packing import pack
+
+I64 = torch.int64
+
+
+# ---- fields -------------------------------------------------------------------------------------
+def reference_pack_fields(values, widths):
+    """Slow, obvious path: write every field bit by bit into the LSB-first stream."""
+    out = bytearray(fields_nbytes(widths))
+    j = 0
+    for v, w in zip(values, widths):
+        for k in range(w):
+            out[j // 8] |= ((v >> k) & 1) << (j % 8)
+            j += 1
+    return bytes(out)
+
+
+def test_fields_hand_computed_vector():
+    # 5 = 101 (3 bits) | 17 = 10001 (5 bits) | 1 (1 bit) | 200 (8 bits) | 3 (2 bits), a 0-width field
+    values = torch.tensor([[5, 0, 17, 1, 200, 3]])
+    packed = pack_fields(values, [3, 0, 5, 1, 8, 2])
+    assert bytes(packed[0].tolist()) == bytes.fromhex("8d9107")
+    assert torch.equal(unpack_fields(packed, [3, 0, 5, 1, 8, 2]), values)
+
+
+def test_fields_match_slow_reference_and_round_trip():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        widths = torch.randint(0, 17, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        values = torch.stack([torch.randint(0, 1 << w, (5,), generator=g) if w else torch.zeros(5, dtype=I64)
+                              for w in widths], dim=-1)
+        packed = pack_fields(values, widths)
+        assert packed.shape == (5, fields_nbytes(widths))
+        for row in range(5):
+            assert bytes(packed[row].tolist()) == reference_pack_fields(values[row].tolist(), widths)
+        assert torch.equal(unpack_fields(packed, widths), values)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_uniform_fields_equal_the_block_packing_for_whole_blocks(bits):
+    codes = torch.randint(0, 2**bits, (4, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    assert torch.equal(pack_fields(codes, [bits] * 24), pack(codes, bits))
+
+
+def test_fields_reject_bad_input():
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_fields(torch.tensor([4]), [2])
+    with pytest.raises(ValueError, match="fields"):
+        pack_fields(torch.tensor([1, 2]), [2])
+    with pytest.raises(ValueError, match="widths"):
+        pack_fields(torch.tensor([1]), [17])
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_fields(torch.zeros(3, dtype=torch.uint8), [8, 8])
+
+
+# ---- predictive code ----------------------------------------------------------------------------
+def params(D=4, bits=(2, 2, 1, 0), intra=(3, 2, 4, 1), inter=(1, 1, 2, 1), anchor=(5, 5, 4, 0), unit=(0.5, 0.25, 1.0, 1.0)):
+    return P.PredictiveParams(
+        mean_D=torch.zeros(D), rotation_DD=torch.eye(D), unit_D=torch.tensor(unit),
+        bits_D=torch.tensor(bits), intra_step_D=torch.tensor(intra), inter_step_D=torch.tensor(inter),
+        anchor_bits_D=torch.tensor(anchor))
+
+
+def test_intra_levels_hand_computed():
+    p = params()
+    # component 0: unit 0.5, 2 bits, step 3 -> levels v in {-9, -3, 3, 9}, values {-4.5, -1.5, 1.5, 4.5}
+    # component 2: unit 1, 1 bit, step 4 -> v in {-4, 4}; component 3: 0 bits -> v = 0
+    x = torch.tensor([[[1.4, 0.1, -0.2, 7.0]]])
+    c, v = P.intra(P.to_units(x, p), p)
+    assert c.tolist() == [[[2, 2, 0, 0]]]
+    assert v.tolist() == [[[3, 2, -4, 0]]]  # comp 1: unit .25, step 2: levels {-6,-2,2,6} -> tau .4 -> v=2
+    assert torch.allclose(P.values(v, p), torch.tensor([[[1.5, 0.5, -4.0, 0.0]]]))
+
+
+def test_inter_steps_from_the_previous_state_and_stay_in_the_anchor_range():
+    p = params()
+    v_prev = torch.tensor([[[14, 0, 4, 0]]])  # component 0 at its limit 2^4 - 1 = 15 minus 1
+    tau = torch.tensor([[[40.0, 1.2, 9.0, 3.0]]])
+    c, v = P.inter(tau, v_prev, p)
+    # comp 0: steps {-3,-1,1,3}: wants +3 but 14 + 3 > 15, +1 is the largest allowed
+    assert v[0, 0, 0] == 15 and c[0, 0, 0] == 2
+    assert v[0, 0, 1] == 1  # tau 1.2 from 0 with steps {-3,-1,1,3}: +1
+    assert v[0, 0, 2] == 6  # 1 bit, steps {-2, +2}: wants +2 (4 -> 6 <= limit 7)
+    assert v[0, 0, 3] == 0  # 0-bit component keeps its state
+    assert bool((v.abs() <= p.limit_D).all())
+
+
+def test_inter_range_never_empty_at_the_limits():
+    p = params()
+    for edge in (p.limit_D, -p.limit_D):
+        lo, hi = P.inter_range(edge.view(1, 1, -1), p)
+        assert bool((lo <= hi).all())
+
+
+def test_encode_picks_the_mode_with_the_smaller_error_and_decoder_agrees():
+    torch.manual_seed(0)
+    D = 8
+    R = torch.linalg.qr(torch.randn(D, D))[0]
+    p = P.PredictiveParams(torch.randn(D) * 0.1, R, torch.full((D,), 0.05), torch.tensor([4, 3, 3, 2, 2, 1, 1, 0]),
+                           torch.tensor([4, 6, 6, 10, 10, 16, 16, 1]), torch.tensor([1, 1, 1, 2, 2, 3, 3, 1]),
+                           torch.tensor([8, 8, 8, 8, 8, 8, 8, 0]))
+    x0 = torch.randn(2, 16, D) * 0.3
+    m0, c0, v0 = P.encode(x0, p, None)
+    assert not m0.any()
+    assert torch.equal(P.apply_codes(m0, c0, None, p), v0)
+    x1 = x0 + 0.01 * torch.randn_like(x0)  # barely moved: inter wins
+    m1, c1, v1 = P.encode(x1, p, v0)
+    assert m1.float().mean() > 0.9
+    assert torch.equal(P.apply_codes(m1, c1, v0, p), v1)
+    tau = P.to_units(x1, p)
+    w = p.unit_D**2
+    _, vi = P.intra(tau, p)
+    _, vp = P.inter(tau, v0, p)
+    best = torch.minimum(((tau - vi) ** 2 * w).sum(-1), ((tau - vp) ** 2 * w).sum(-1))
+    assert torch.allclose(((tau - v1) ** 2 * w).sum(-1), best)
+
+
+def test_anchor_fields_round_trip_and_fit_their_widths():
+    p = params()
+    v = torch.tensor([[[-15, 15, -7, 0], [3, -2, 7, 0]]])
+    f = P.anchor_fields(v, p)
+    assert bool((f >= 0).all()) and bool((f < (1 << p.anchor_bits_D)).all())
+    assert torch.equal(P.from_anchor_fields(f, p), v)
+    assert torch.equal(unpack_fields(pack_fields(f, p.anchor_bits_D), p.anchor_bits_D), f)
+
+
+def test_closed_loop_does_not_drift_on_a_static_input_over_1024_frames():
+    torch.manual_seed(1)
+    D = 8
+    p = P.PredictiveParams(torch.zeros(D), torch.eye(D), torch.full((D,), 0.01), torch.full((D,), 2),
+                           torch.full((D,), 20), torch.full((D,), 1), torch.full((D,), 12))
+    x = torch.randn(1, 4, D).clamp(-1, 1)
+    frames = P.fake_quant_sequence(x.unsqueeze(1).expand(1, 1024, 4, D).contiguous(), p)
+    err = (frames - x.unsqueeze(1)).abs().amax(dim=(0, 2, 3))
+    # the first (intra) frame is coarse; inter steps of 1 unit converge and then hold within a unit
+    assert float(err[-1]) <= 0.01 + 1e-6
+    assert float(err[100:].max()) <= 0.01 + 1e-6
+
+
+def test_intra_only_ablation_is_frame_independent():
+    torch.manual_seed(2)
+    p = params()
+    x = torch.randn(1, 5, 3, 4)
+    seq = P.fake_quant_sequence(x, p, intra_only=True)
+    for f in range(5):
+        _, v = P.intra(P.to_units(x[:, f], p), p)
+        assert torch.equal(seq[:, f], P.values(v, p))
+
+
+# ---- fitting (fit/predictive.py) ----------------------------------------------------------------
+from calibrate.fit import predictive as FP  # noqa: E402
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_gaussian_step_table_is_the_mse_optimum(bits):
+    step = FP.gaussian_uniform_step(bits)
+    assert step == pytest.approx(FP.GAUSSIAN_STEP[bits], abs=2e-4)
+    assert FP.gaussian_uniform_mse(step, bits) == pytest.approx(FP.GAUSSIAN_MSE[bits], rel=2e-3)
+
+
+def test_gaussian_mse_hand_computed_one_bit():
+    # levels +-s/2 on N(0,1): E[(|x| - s/2)^2] = 1 - s*sqrt(2/pi) + s^2/4
+    s = 1.2
+    assert FP.gaussian_uniform_mse(s, 1) == pytest.approx(1 - s * (2 / torch.pi) ** 0.5 + s * s / 4, rel=1e-9)
+
+
+def test_allocation_spends_the_budget_strongest_first():
+    w = torch.tensor([16.0, 4.0, 1.0, 0.25, 0.0])
+    bits = FP.allocate_bits(w, 10)
+    assert int(bits.sum()) == 10
+    assert bits.tolist() == sorted(bits.tolist(), reverse=True)
+    assert bits[-1] == 0  # zero variance never gets a bit
+    # reverse water-filling: about half a bit per factor of 2 in standard deviation
+    assert bits.tolist() == [4, 3, 2, 1, 0]
+
+
+def test_fitted_head_is_consistent():
+    torch.manual_seed(3)
+    D = 16
+    A = torch.randn(D, D) * torch.logspace(0, -2, D)
+    cov = A @ A.T
+    p = FP.fit_head(torch.randn(D), cov, cov * 0.01, 2.0)
+    assert int(p.bits_D.sum()) == 32
+    assert torch.allclose(p.rotation_DD.T @ p.rotation_DD, torch.eye(D), atol=1e-5)
+    coded = p.bits_D > 0
+    assert bool((p.anchor_bits_D[coded] >= 2).all()) and bool((p.anchor_bits_D[~coded] == 0).all())
+    assert bool((p.intra_step_D * p.levels_D <= p.limit_D).all())
+    assert bool((p.anchor_bits_D <= 16).all()) and bool((p.unit_D > 0).all())
