@@ -33,7 +33,8 @@ the order of their append, from 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -45,9 +46,19 @@ class Rope:
 
     `angles_BTA` has A = D/2 angles per token and broadcasts over heads. Orthogonal, so
     `q.k` after rotation depends only on the angle difference of query and key.
+
+    A model whose angles are a function of a few numbers per frame (TinyWorld: the camera pose;
+    Wan: the chunk's first latent frame) also passes those coordinates `coords_BP` and the
+    function `at(coords_BP) -> Rope`. A cache may then store keys *before* the rotation plus
+    the P coordinates of their frame, and rotate them when it reads them: a runtime that codes
+    keys across frames needs that, because the rotation of a moving camera changes the rotated
+    keys from frame to frame even where the content stays. `at(coords_BP)` must return exactly
+    the angles the model would compute for those coordinates.
     """
 
     angles_BTA: Tensor
+    coords_BP: Tensor | None = None
+    at: Callable[[Tensor], "Rope"] | None = field(default=None, compare=False, repr=False)
 
     def apply(self, x_BHTD: Tensor) -> Tensor:
         cos = self.angles_BTA.cos().unsqueeze(1)

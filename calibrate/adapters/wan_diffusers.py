@@ -186,15 +186,22 @@ class WanAdapter:
                       commit: bool) -> Tensor:
         """The transformer on one chunk at absolute latent frames first_frame.. : flow prediction."""
         B, _, F = latents_BCFHW.shape[:3]
-        angles = rope_angles(self.head_dim, range(first_frame, first_frame + F), *self.grid)
         self.state.cache, self.state.commit = cache, commit
-        self.state.rope = Rope(angles.to(device=latents_BCFHW.device, dtype=torch.float32).unsqueeze(0))
+        self.state.rope = self.rope(torch.full((B, 1), float(first_frame), device=latents_BCFHW.device), F)
         try:
             t = torch.full((B,), float(timestep), device=latents_BCFHW.device)
             text = self.text.to(latents_BCFHW.device, self.dtype).expand(B, -1, -1)
             return self.transformer(latents_BCFHW.to(self.dtype), t, text, return_dict=False)[0]
         finally:
             self.state.cache, self.state.rope = None, None
+
+    def rope(self, first_frame_B1: Tensor, num_frames: int) -> Rope:
+        """Wan's 3D RoPE of a chunk of `num_frames` latent frames starting at `first_frame_B1`
+        (the same for every row of a batch); the start frame is its coordinate (`Rope.at`)."""
+        first = int(first_frame_B1[0, 0])
+        angles = rope_angles(self.head_dim, range(first, first + num_frames), *self.grid)
+        return Rope(angles.to(device=first_frame_B1.device, dtype=torch.float32).unsqueeze(0), coords_BP=first_frame_B1,
+                    at=lambda coords: self.rope(coords, num_frames))
 
     def sigmas(self) -> list[float]:
         s = self.cfg.shift

@@ -105,6 +105,8 @@ class PoseRotary(nn.Module):
         self.register_buffer("token_bearing_T", cols.repeat(cfg.patches_per_side), persistent=False)
 
     def forward(self, pose_B3: Tensor) -> Rope:
+        """The rotary of frames at these poses; its coordinates are the poses (a cache may store
+        keys before the rotation and rebuild it from the pose: `Rope.at`)."""
         x, y, yaw = pose_B3[:, 0:1], pose_B3[:, 1:2], pose_B3[:, 2:3]
         bearing_BT = yaw + self.token_bearing_T  # [B, T]
         T = self.token_bearing_T.shape[0]
@@ -114,7 +116,7 @@ class PoseRotary(nn.Module):
             bearing_BT.unsqueeze(-1) * self.bearing_freqs,
             pose_B3.new_zeros(pose_B3.shape[0], T, self.num_free),
         ]
-        return Rope(torch.cat(angles, dim=-1))
+        return Rope(torch.cat(angles, dim=-1), coords_BP=pose_B3, at=self.forward)
 
 
 class Block(nn.Module):
