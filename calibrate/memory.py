@@ -18,6 +18,7 @@ the window first fills, where every class of the policy is present and the windo
 
 from __future__ import annotations
 
+from calibrate import chain
 from calibrate.cache import kept_frames
 from calibrate.codec import frame_nbytes
 from calibrate.recipe import ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
@@ -47,16 +48,27 @@ def steady_state_frames(window: int, sink_frames: int) -> int:
 
 def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
                           batch: int = 1) -> int:
-    """Bytes a `QuantizedKVCache` of this scheme holds after `num_appended` frames."""
+    """Bytes a `QuantizedKVCache` of this scheme holds after `num_appended` frames.
+
+    Per-frame codes go by the token policy (`final_bits`); a predictive tensor's frames by their
+    role in the chain (`chain.frame_role`: recent, anchor or delta); keys stored before the
+    rotary encoding add their frame's float32 coordinates once per layer.
+    """
     pol = scheme.policy
     T, D = model.tokens_per_frame, model.head_dim
     total = 0
     kept = kept_frames(num_appended, window, sink_frames)
+    kept_set = set(kept)
     for pair in scheme.layers:
+        total += len(kept) * batch * pair.k.rotary_coords * 4
         for kind in KINDS:
             spec: TensorSpec = getattr(pair, kind)
             for h in range(model.num_kv_heads):
                 for f in kept:
+                    if spec.kind == "predictive":
+                        role = chain.frame_role(f, num_appended, kept_set, pol.recent_frames, spec.temporal)
+                        total += chain.frame_nbytes(role, spec.token_bits[h], spec.anchor_token_bits[h], batch, T, D)
+                        continue
                     recent = pol.recent_frames and f >= num_appended - pol.recent_frames
                     bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
                     total += frame_nbytes(spec, bits, batch, T, D)

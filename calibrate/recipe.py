@@ -22,6 +22,16 @@ The scheme (JSON) says, per layer and for K and V separately, a `TensorSpec`:
                     nearest centroid per token and quantizes the residual
     comp_rank       low-rank residual compensator: roles `comp_down` [H, D, r], `comp_up` [H, r, D]
 
+Format 1.1 adds (each omitted from the JSON at its default, so older recipes read as before):
+
+    kind "predictive"   a code across frames (quant/predictive.py, chain.py): roles in
+                        predictive_roles.py; `token_bits` / `anchor_token_bits` [H] say how many
+                        bits one token of one head takes in a delta frame / an anchor frame;
+                        `temporal` false codes every token intra (no chain, no anchors)
+    rotary_coords   keys only: > 0 = keys are stored *before* the model's rotary encoding,
+                    with this many rotary coordinates per frame (the runtime re-applies the
+                    frame's rotation when it reads them); 0 = stored post-rotary
+
 Keys only, optional: role `logit_bias` [H, D] (>= 0), the key-noise logit correction (per-channel
 key-error variance in the code basis, times the fitted strength; quant/logit_noise.py).
 
@@ -38,17 +48,18 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from calibrate import predictive_roles
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
-               "comp_down", "comp_up", "logit_bias")
+               "comp_down", "comp_up", "logit_bias") + predictive_roles.ROLES[1:]
 ALLOWED_BITS = (2, 3, 4, 8, 16)
-CODE_KINDS = ("uniform", "codebook")  # TensorSpec.kind; calibrate/codec.py implements each
+CODE_KINDS = ("uniform", "codebook", "predictive")  # TensorSpec.kind; codec.py / chain.py implement them
 
 
 class RecipeError(ValueError):
@@ -70,9 +81,16 @@ class TensorSpec:
     sparse_fraction: float = 0.0
     centroids: int = 0
     comp_rank: int = 0
+    rotary_coords: int = 0  # keys: stored pre-rotary with this many coordinates per frame (format 1.1)
+    token_bits: list[int] | None = None  # predictive: code bits per token of each head (format 1.1)
+    anchor_token_bits: list[int] | None = None  # predictive: anchor bits per token of each head (format 1.1)
+    temporal: bool = True  # predictive: tokens may be coded against the previous frame (false: every token intra)
 
     def bits_of(self, head: int) -> int:
         return self.head_bits[head] if self.head_bits else self.bits
+
+
+V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "temporal": True}
 
 
 @dataclass
@@ -99,7 +117,13 @@ class Scheme:
     notes: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        for layer in d["layers"]:
+            for spec in layer.values():  # fields of format 1.1 at their default are left out
+                for name, default in V1_1_DEFAULTS.items():
+                    if spec[name] == default:
+                        del spec[name]
+        return json.dumps(d, sort_keys=True)
 
     @staticmethod
     def from_dict(d: dict, where: str = "scheme") -> "Scheme":
@@ -146,6 +170,20 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.group_size: {s.group_size} must be >= 0 (0 = head_dim)")
     if not 0 <= s.centroids <= 256:
         raise RecipeError(f"{where}.centroids: {s.centroids} not in [0, 256] (indices are stored as uint8)")
+    if not isinstance(s.rotary_coords, int) or isinstance(s.rotary_coords, bool) or s.rotary_coords < 0:
+        raise RecipeError(f"{where}.rotary_coords: {s.rotary_coords!r} must be an integer >= 0")
+    if s.kind == "predictive":
+        plain = TensorSpec(bits=s.bits, kind="predictive", rotation=s.rotation, rotary_coords=s.rotary_coords,
+                           token_bits=s.token_bits, anchor_token_bits=s.anchor_token_bits, temporal=s.temporal)
+        if s != plain:
+            raise RecipeError(f"{where}: a predictive spec sets only bits, rotation, rotary_coords, token_bits, "
+                              "anchor_token_bits and temporal (the other fields belong to per-frame codes)")
+        if not isinstance(s.temporal, bool):
+            raise RecipeError(f"{where}.temporal: {s.temporal!r} must be true or false")
+        if s.rotation == "none" or s.token_bits is None or s.anchor_token_bits is None:
+            raise RecipeError(f"{where}: a predictive spec needs a rotation, token_bits and anchor_token_bits")
+    elif s.token_bits is not None or s.anchor_token_bits is not None or s.temporal is not True:
+        raise RecipeError(f"{where}: token_bits, anchor_token_bits and temporal belong to kind 'predictive'")
     return s
 
 
@@ -242,6 +280,8 @@ def check_model(recipe: Recipe, model: ModelInfo) -> None:
 
 def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ...]]:
     """Tensor roles a spec requires, with their shapes."""
+    if spec.kind == "predictive":
+        return predictive_roles.shapes(H, D)
     shapes: dict[str, tuple[int, ...]] = {}
     if spec.rotation != "none":
         shapes["rotation"] = (H, D, D)
@@ -285,6 +325,8 @@ def validate(recipe: Recipe, where: str) -> None:
                 _spec(asdict(spec), f"scheme.layers[{i}].{kind}")
             except RecipeError as e:
                 raise RecipeError(f"{where}: {e}") from None
+            if kind == "v" and spec.rotary_coords:
+                raise RecipeError(f"{where}: scheme.layers[{i}].v.rotary_coords: values have no rotary encoding")
             if spec.head_bits is not None and len(spec.head_bits) != H:
                 raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.head_bits has {len(spec.head_bits)} entries, expected {H}")
             g = spec.group_size or D
@@ -318,6 +360,8 @@ def validate(recipe: Recipe, where: str) -> None:
             cb = recipe.tensors.get(f"layers.{i}.{kind}.codebook")
             if cb is not None and not (cb[:, 1:] >= cb[:, :-1]).all():
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.codebook' rows must be sorted ascending")
+            if spec.kind == "predictive":
+                _check_predictive(recipe, i, kind, spec, H, where)
             oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
@@ -327,6 +371,21 @@ def validate(recipe: Recipe, where: str) -> None:
     for name in ("sink_bits", "recent_bits", "keyframe_bits"):
         if getattr(s.policy, name) not in ALLOWED_BITS:
             raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
+
+
+def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: int, where: str) -> None:
+    for name in ("token_bits", "anchor_token_bits"):
+        if len(getattr(spec, name)) != H:
+            raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.{name} has {len(getattr(spec, name))} entries, expected {H}")
+    if kind == "k" and recipe.tensor(i, "k", "logit_bias") is not None:
+        raise RecipeError(f"{where}: tensor 'layers.{i}.k.logit_bias': the logit correction is not defined for predictive keys")
+    if recipe.scheme.policy.recent_frames and recipe.scheme.policy.recent_bits != 16:
+        raise RecipeError(f"{where}: scheme.policy.recent_bits must be 16 with predictive tensors (recent frames are "
+                          "held in float16 until they join the chain)")
+    try:
+        predictive_roles.check(recipe.layer_tensors(i, kind), spec.token_bits, spec.anchor_token_bits, f"layers.{i}.{kind}")
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def _check_logit_bias(t: torch.Tensor, name: str, kind: str, H: int, D: int, where: str) -> None:

@@ -29,6 +29,14 @@ of a frame attend to the history, the logits of keys held at the spec's own bits
 get minus their expected noise inflation added; the fresh own frame and frames held at other
 widths (float16 recent frames, sink and key frames) are left as they are.
 
+Predictive tensors (`kind="predictive"`, chain.py) are coded against the previous frame's
+integer states: a frame joins the chain when it is stored (or when it leaves the recent
+window), and a held frame whose predecessor is evicted is re-stored as an anchor, exactly. The
+policy's sink and key-frame precisions do not apply to them (every frame is in the chain; the
+first one is intra-coded). Keys of a spec with `rotary_coords > 0` are stored before the model's
+rotary encoding, with their frame's rotary coordinates (float32 [B, P], counted in the bytes);
+reading them re-applies `Rope.at(coords)`.
+
 `nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` asks the memory
 model (memory.py) for the same from the recipe alone, and the two agree at steady state. This
 module imports only the seam, the recipe format, the codec and the memory model: a runtime can
@@ -40,11 +48,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope
-from calibrate.codec import HeadParams, decode, encode, head_params, stored_nbytes
+from calibrate import predictive_roles
+from calibrate.cache import KVCache, Rope, kept_frames
+from calibrate.chain import ChainCodec
+from calibrate.codec import FP, HeadParams, decode, encode, head_params, stored_nbytes
 from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
+
+States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
 
 class QuantizedKVCache(KVCache):
@@ -61,6 +73,13 @@ class QuantizedKVCache(KVCache):
         tensors = {k: v.to(self.device) for k, v in recipe.tensors.items()}
         self._recipe_on_device = Recipe(recipe.model, recipe.scheme, tensors, recipe.metadata, recipe.path)
         self._params: dict[tuple[int, str, int, int], HeadParams] = {}
+        self._chains: dict[tuple[int, str], list[ChainCodec]] = {
+            (i, kind): [ChainCodec(predictive_roles.head_params(self._recipe_on_device.layer_tensors(i, kind), h),
+                                   self.spec(i, kind).temporal) for h in range(self.num_heads)]
+            for i in range(self.num_layers) for kind in KINDS if self.spec(i, kind).kind == "predictive"}
+        self._rope_at = None  # the model's Rope.at, for keys stored before the rotation
+        # chain states `append` decoded, handed to the `read` of the same step (never kept longer)
+        self._step_states: dict[int, dict[str, States]] = {}
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
@@ -92,35 +111,101 @@ class QuantizedKVCache(KVCache):
             dim=1,
         )
 
-    def _store(self, layer: int, index: int, k_BHTD: Tensor, v_BHTD: Tensor) -> object:
-        if self.policy.recent_frames > 0:
-            return {"bits": "recent", **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits)
-                                         for kind, x in zip(KINDS, (k_BHTD, v_BHTD))}}
-        return self._store_final(layer, index, k_BHTD, v_BHTD)
-
-    def _store_final(self, layer: int, index: int, k_BHTD: Tensor, v_BHTD: Tensor) -> object:
-        return {"bits": "final", **{kind: self._encode(layer, x, kind, lambda h, kind=kind: self.final_bits(layer, kind, h, index))
-                                    for kind, x in zip(KINDS, (k_BHTD, v_BHTD))}}
-
     def stored_bits(self, layer: int, kind: str, head: int, index: int) -> int:
         """Bits frame `index` of one head is held at now (recent window or its final class)."""
         if self._frames[layer][index]["bits"] == "recent":
             return self.policy.recent_bits
         return self.final_bits(layer, kind, head, index)
 
-    def _load(self, layer: int, index: int, stored: dict) -> tuple[Tensor, Tensor]:
-        k, v = (self._decode(layer, kind, stored[kind], lambda h, kind=kind: self.stored_bits(layer, kind, h, index))
-                for kind in KINDS)
-        return k, v
+    def _encode_final(self, layer: int, kind: str, index: int, x_BHTD: Tensor, states: States) -> list[dict]:
+        """Frame `index` of one tensor at its final precision; a predictive tensor codes it
+        against the states of frame index - 1 (if held) and records its own states."""
+        chain = self._chains.get((layer, kind))
+        if chain is None:
+            return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index))
+        prev = states.get(index - 1)
+        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h]) for h, c in enumerate(chain)]
+        states[index] = [v for _, v in coded]
+        return [stored for stored, _ in coded]
+
+    def _chain_states(self, layer: int, kind: str) -> States:
+        """Integer states of every held frame of a predictive tensor that is in the chain, oldest
+        first (each decodes from its predecessor's, or is an anchor or all-intra)."""
+        frames = [f for f in self.frame_indices(layer) if self._frames[layer][f]["bits"] != "recent"]
+        if not frames:
+            return {}
+        per_head = [c.chain_states(frames, [self._frames[layer][f][kind][h] for f in frames])
+                    for h, c in enumerate(self._chains[(layer, kind)])]
+        return {f: [states[i] for states in per_head] for i, f in enumerate(frames)}
+
+    def _key_input(self, layer: int, k_BHTD: Tensor, key_rope: Rope) -> tuple[Tensor, dict]:
+        """The keys a layer stores (post-rotary, or pre-rotary with the frame's coordinates)."""
+        P = self.spec(layer, "k").rotary_coords
+        if not P:
+            return key_rope.apply(k_BHTD), {}
+        if key_rope.coords_BP is None or key_rope.at is None or key_rope.coords_BP.shape[-1] != P:
+            got = "none" if key_rope.coords_BP is None else str(key_rope.coords_BP.shape[-1])
+            raise ValueError(f"recipe {self.recipe.path or ''}: scheme.layers[{layer}].k.rotary_coords={P}: keys are "
+                             f"stored before the rotary encoding, which needs {P} rotary coordinates per frame from "
+                             f"the model; its Rope gives {got}")
+        self._rope_at = key_rope.at
+        return k_BHTD, {"coords": key_rope.coords_BP.detach().to(torch.float32).clone()}
 
     def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
-        index = super().append(layer, k_BHTD, v_BHTD, key_rope)
-        # the frame that just left the recent window is re-encoded at its final precision
-        leaving = index - self.policy.recent_frames
-        if self.policy.recent_frames > 0 and leaving in self._frames[layer]:
-            k, v = self._load(layer, leaving, self._frames[layer][leaving])
-            self._frames[layer][leaving] = self._store_final(layer, leaving, k, v)
+        """Store the frame (recent or final precision), move the frame leaving the recent window
+        to its final precision, evict, and re-store as anchors the chain frames whose
+        predecessor was evicted."""
+        held, index, R = self._frames[layer], self._num_appended[layer], self.policy.recent_frames
+        k_in, extra = self._key_input(layer, k_BHTD, key_rope)
+        states = {kind: self._chain_states(layer, kind) for kind in KINDS if (layer, kind) in self._chains}
+        if R > 0:
+            held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits)
+                                                         for kind, x in zip(KINDS, (k_in, v_BHTD))}}
+        else:
+            held[index] = {"bits": "final", **extra, **{kind: self._encode_final(layer, kind, index, x, states.get(kind, {}))
+                                                        for kind, x in zip(KINDS, (k_in, v_BHTD))}}
+        self._num_appended[layer] = index + 1
+        leaving = index - R
+        if R > 0 and leaving in held:  # leaves the recent window: re-encoded at its final precision
+            record = held[leaving]
+            raw = {kind: self._decode(layer, kind, record[kind], lambda h: self.policy.recent_bits) for kind in KINDS}
+            record.update(bits="final", **{kind: self._encode_final(layer, kind, leaving, raw[kind], states.get(kind, {}))
+                                           for kind in KINDS})
+        keep = set(kept_frames(index + 1, self.window, self.sink_frames))
+        for kind, kind_states in states.items():  # chain.frame_role: no held predecessor -> anchor
+            if not self.spec(layer, kind).temporal:
+                continue
+            for f in sorted(held):
+                record = held[f]
+                if f in keep and f > 0 and f - 1 not in keep and record["bits"] != "recent" and "anchor" not in record[kind][0]:
+                    record[kind] = [c.anchor(v) for c, v in zip(self._chains[(layer, kind)], kind_states[f])]
+        for old in [f for f in held if f not in keep]:
+            del held[old]
+            for kind_states in states.values():
+                kind_states.pop(old, None)
+        self._step_states[layer] = states
         return index
+
+    def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """Post-rotary keys and values of `frames` (default: all held), oldest first."""
+        frames = self.frame_indices(layer) if frames is None else frames
+        out = {}
+        step_states = self._step_states.pop(layer, {})  # decoded by this step's `append`
+        for kind in KINDS:
+            states = {}
+            if (layer, kind) in self._chains:
+                states = step_states[kind] if kind in step_states else self._chain_states(layer, kind)
+            out[kind] = [self._load_kind(layer, kind, f, states) for f in frames]
+        if self.spec(layer, "k").rotary_coords:
+            out["k"] = [self._rope_at(self._frames[layer][f]["coords"]).apply(k) for f, k in zip(frames, out["k"])]
+        return torch.cat(out["k"], dim=2), torch.cat(out["v"], dim=2)
+
+    def _load_kind(self, layer: int, kind: str, index: int, states: States) -> Tensor:
+        record = self._frames[layer][index]
+        if index in states:
+            chain = self._chains[(layer, kind)]
+            return torch.stack([c.values(v) for c, v in zip(chain, states[index])], dim=1)
+        return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index))
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
         """Additive logits [B, H, T, N] for the keys of `frames` (default: `history`) followed by
@@ -148,6 +233,8 @@ class QuantizedKVCache(KVCache):
             for stored in frames.values():
                 for kind in KINDS:
                     total += sum(stored_nbytes(s) for s in stored[kind])
+                if "coords" in stored:
+                    total += stored["coords"].numel() * stored["coords"].element_size()
         return total
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:

@@ -134,3 +134,46 @@ def logit_correction(q, logit_bias, rotation=None):
     if rotation is not None:
         q = q @ np.asarray(rotation, dtype=np.float32)
     return (q * q) @ np.asarray(logit_bias, dtype=np.float32) / (2 * q.shape[-1])
+
+
+# ---- format 1.1: predictive tensors (FORMAT.md "Predictive tensors") -----------------------------
+def unpack_fields(packed, widths):
+    """uint8 [..., ceil(sum(widths)/8)] -> int64 [..., n]: mixed-width fields, LSB-first bit stream."""
+    widths = np.asarray(widths, dtype=np.int64)
+    stream = np.unpackbits(np.asarray(packed, dtype=np.uint8), axis=-1, bitorder="little").astype(np.int64)
+    out = np.zeros((*stream.shape[:-1], len(widths)), dtype=np.int64)
+    offset = 0
+    for i, w in enumerate(widths):
+        for k in range(w):
+            out[..., i] |= stream[..., offset + k] << k
+        offset += w
+    return out
+
+
+def predictive_states(stored, tensors, layer, kind, head, v_prev=None):
+    """Integer states [B, T, D] of one head of one held frame of a predictive tensor.
+
+    `stored` is the frame's stored form: {"anchor"} or {"modes", "codes"} (uint8 arrays, chain.py);
+    `v_prev` the previous frame's states (None if it is not held: then every token is intra).
+    """
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    bits, anchor = t("channel_bits"), t("anchor_bits")
+    if "anchor" in stored:
+        offset = np.where(anchor > 0, 1 << np.maximum(anchor - 1, 0), 0)
+        return unpack_fields(stored["anchor"], anchor) - offset
+    codes = unpack_fields(stored["codes"], bits)
+    T = codes.shape[-2]
+    inter = unpack_fields(stored["modes"], [1] * T).astype(bool)
+    n = (1 << bits) - 1
+    v = t("intra_step") * (2 * codes - n)
+    if inter.any():
+        if v_prev is None:
+            raise ValueError("a frame with inter-coded tokens needs the previous frame's states")
+        v = np.where(inter[..., None], v_prev + t("inter_step") * (2 * codes - n), v)
+    return v
+
+
+def predictive_values(v, tensors, layer, kind, head):
+    """x̂ = (unit * v) @ R^T + mean, float32 (keys: before the rotary encoding if `rotary_coords`)."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float32)
+    return (t("unit") * np.asarray(v, dtype=np.float32)) @ t("rotation").T + t("mean")

@@ -193,3 +193,24 @@ def test_fitted_head_is_consistent():
     assert bool((p.anchor_bits_D[coded] >= 2).all()) and bool((p.anchor_bits_D[~coded] == 0).all())
     assert bool((p.intra_step_D * p.levels_D <= p.limit_D).all())
     assert bool((p.anchor_bits_D <= 16).all()) and bool((p.unit_D > 0).all())
+
+
+def field_golden_vectors():
+    """Rows `| widths | values | packed hex |` of FORMAT.md's field golden vectors."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "FORMAT.md").read_text(encoding="utf-8")
+    section = text.split("#### Field golden vectors", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|\s*([\d ]+?)\s*\|\s*([\d ]+?)\s*\|\s*([0-9a-f]+)\s*\|\s*$", section, re.MULTILINE)
+    return [([int(w) for w in ws.split()], [int(v) for v in vs.split()], bytes.fromhex(h)) for ws, vs, h in rows]
+
+
+def test_field_golden_vectors_of_the_format():
+    rows = field_golden_vectors()
+    assert len(rows) >= 5
+    for widths, values, packed in rows:
+        got = pack_fields(torch.tensor([values]), widths)
+        assert bytes(got[0].tolist()) == packed, widths
+        assert unpack_fields(got, widths)[0].tolist() == values
+        assert bytes(got[0].tolist()) == reference_pack_fields(values, widths)

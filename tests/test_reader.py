@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from calibrate.codec import HeadParams, decode, encode, head_params
-from calibrate.recipe import ModelInfo, TensorSpec, load_recipe, save_recipe
+from calibrate.recipe import FORMAT_VERSION, ModelInfo, TensorSpec, load_recipe, save_recipe
 from calibrate.schemes import KVSample, build_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,9 +53,9 @@ def test_metadata_and_tensors_equal_calibrates_load(tmp_path, name):
     save_recipe(built, path)
     recipe = load_recipe(path, model=INFO)
     meta, tensors = reader.read_recipe(path)
-    assert meta["format"] == "kv-recipe" and meta["format_version"] == "1.0" and meta["producer"]
+    assert meta["format"] == "kv-recipe" and meta["format_version"] == FORMAT_VERSION and meta["producer"]
     assert meta["model"] == asdict(recipe.model)
-    assert meta["scheme"] == asdict(recipe.scheme)
+    assert meta["scheme"] == json.loads(recipe.scheme.to_json())
     assert meta["calibration"] == recipe.section("calibration") and meta["metrics"] == {"psnr_ref_all": 31.5}
     assert sorted(tensors) == sorted(recipe.tensors)
     for key, t in recipe.tensors.items():
@@ -209,3 +209,33 @@ def test_logit_correction_matches_the_runtimes():
         np.testing.assert_allclose(got, want[:, h].numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(reader.logit_correction(q[:, 0].numpy(), var[0].numpy()),
                                logit_inflation(q, var)[:, 0].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
+    """Every held frame of a predictive cache (deltas, anchors) decodes to the runtime's states."""
+    from calibrate.runtime import QuantizedKVCache
+    from test_runtime_predictive import H, L, predictive_recipe, sequence
+
+    recipe = predictive_recipe(recent=1)
+    path = tmp_path / "pred.safetensors"
+    save_recipe(recipe, path)
+    meta, tensors = reader.read_recipe(path)
+    assert meta["scheme"]["layers"][0]["k"]["rotary_coords"] == 2
+    ks, vs, ropes = sequence(30)
+    cache = QuantizedKVCache.from_recipe(load_recipe(path), window=6, sink_frames=1)
+    for f in range(30):
+        for layer in range(L):
+            cache.append(layer, ks[f], vs[f], ropes[f])
+    for layer in range(L):
+        for kind in "kv":
+            states = cache._chain_states(layer, kind)
+            assert any("anchor" in cache._frames[layer][g][kind][0] for g in states)
+            for h in range(H):
+                prev_frame, prev = None, None
+                for g in sorted(states):
+                    stored = {k: _np(t) for k, t in cache._frames[layer][g][kind][h].items()}
+                    v = reader.predictive_states(stored, tensors, layer, kind, h, prev if prev_frame == g - 1 else None)
+                    np.testing.assert_array_equal(v, _np(states[g][h]))
+                    np.testing.assert_allclose(reader.predictive_values(v, tensors, layer, kind, h),
+                                               _np(cache._chains[(layer, kind)][h].values(states[g][h])), atol=1e-6)
+                    prev_frame, prev = g, v

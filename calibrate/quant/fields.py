@@ -24,7 +24,7 @@ MAX_FIELD_BITS = 16
 
 
 def _widths(widths) -> Tensor:
-    w = torch.as_tensor(widths, dtype=torch.int64).flatten()
+    w = torch.as_tensor(widths, dtype=torch.int64).flatten().cpu()
     if w.numel() and (int(w.min()) < 0 or int(w.max()) > MAX_FIELD_BITS):
         raise ValueError(f"field widths must lie in [0, {MAX_FIELD_BITS}], got {w.tolist()}")
     return w
@@ -35,44 +35,52 @@ def fields_nbytes(widths) -> int:
     return -(-int(_widths(widths).sum()) // 8)
 
 
-def _layout(w: Tensor, device) -> tuple[Tensor, Tensor]:
-    """For every stream bit: the field it belongs to and its bit position within that field."""
-    total = int(w.sum())
-    owner = torch.repeat_interleave(torch.arange(len(w), device=device), w.to(device))
-    starts = torch.cumsum(w, 0) - w
-    position = torch.arange(total, device=device) - starts.to(device)[owner]
-    return owner, position
+class FieldLayout:
+    """The bit layout of one row of fields of given widths, computed once (a runtime packs and
+    unpacks the same widths every frame)."""
+
+    def __init__(self, widths, device: str | torch.device = "cpu"):
+        w = _widths(widths)
+        self.widths = w.to(device)
+        self.num_fields = len(w)
+        self.nbytes = -(-int(w.sum()) // 8)
+        # for every stream bit: the field it belongs to and its bit position within that field
+        self.owner = torch.repeat_interleave(torch.arange(len(w)), w).to(device)
+        starts = torch.cumsum(w, 0) - w
+        self.position = (torch.arange(int(w.sum())) - starts[self.owner.cpu()]).to(device)
+        self.limit = (1 << w).to(device)
+        self.byte_weights = (1 << torch.arange(8)).to(device)
+
+    def pack(self, values: Tensor) -> Tensor:
+        """Non-negative integers ``[..., n]`` (value i < 2^widths[i]) -> uint8 ``[..., nbytes]``."""
+        if values.dim() == 0 or values.shape[-1] != self.num_fields:
+            raise ValueError(f"values must have {self.num_fields} fields on the last axis, got shape {tuple(values.shape)}")
+        if values.is_floating_point():
+            raise ValueError(f"values must be integers, got {values.dtype}")
+        v = values.to(torch.int64)
+        if v.numel() and (bool((v < 0).any()) or bool((v >= self.limit).any())):
+            raise ValueError("a field value is negative or does not fit its width")
+        stream = (v[..., self.owner] >> self.position) & 1  # [..., total bits]
+        stream = torch.nn.functional.pad(stream, (0, self.nbytes * 8 - stream.shape[-1]))
+        stream = stream.reshape(*v.shape[:-1], self.nbytes, 8)
+        return (stream * self.byte_weights).sum(-1).to(torch.uint8)
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """uint8 ``[..., nbytes]`` -> int64 ``[..., n]``."""
+        if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] != self.nbytes:
+            raise ValueError(f"packed must be uint8 with {self.nbytes} bytes on the last axis, got "
+                             f"{packed.dtype} {tuple(packed.shape)}")
+        bits = (packed.to(torch.int64).unsqueeze(-1) >> self.byte_weights.new_tensor(range(8))) & 1
+        stream = bits.reshape(*packed.shape[:-1], self.nbytes * 8)[..., : len(self.owner)]
+        out = torch.zeros(*packed.shape[:-1], self.num_fields, dtype=torch.int64, device=packed.device)
+        return out.index_add_(-1, self.owner, stream << self.position) if len(self.owner) else out
 
 
 def pack_fields(values: Tensor, widths) -> Tensor:
     """Pack non-negative integers ``[..., n]`` (value i < 2^widths[i]) into uint8 ``[..., fields_nbytes]``."""
-    w = _widths(widths)
-    if values.dim() == 0 or values.shape[-1] != len(w):
-        raise ValueError(f"values must have {len(w)} fields on the last axis, got shape {tuple(values.shape)}")
-    if values.is_floating_point():
-        raise ValueError(f"values must be integers, got {values.dtype}")
-    v = values.to(torch.int64)
-    limit = (1 << w).to(v.device)
-    if v.numel() and (bool((v < 0).any()) or bool((v >= limit).any())):
-        raise ValueError("a field value is negative or does not fit its width")
-    owner, position = _layout(w, v.device)
-    nbytes = fields_nbytes(w)
-    stream = (v[..., owner] >> position) & 1  # [..., total bits]
-    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - stream.shape[-1]))
-    stream = stream.reshape(*v.shape[:-1], nbytes, 8)
-    weights = (1 << torch.arange(8, device=v.device))
-    return (stream * weights).sum(-1).to(torch.uint8)
+    return FieldLayout(widths, values.device).pack(values)
 
 
 def unpack_fields(packed: Tensor, widths) -> Tensor:
     """Inverse of :func:`pack_fields`: uint8 ``[..., fields_nbytes]`` -> int64 ``[..., n]``."""
-    w = _widths(widths)
-    nbytes = fields_nbytes(w)
-    if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] != nbytes:
-        raise ValueError(f"packed must be uint8 with {nbytes} bytes on the last axis, got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
-    owner, position = _layout(w, packed.device)
-    bits = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
-    stream = bits.reshape(*packed.shape[:-1], nbytes * 8)[..., : len(owner)]
-    out = torch.zeros(*packed.shape[:-1], len(w), dtype=torch.int64, device=packed.device)
-    return out.index_add_(-1, owner, stream << position) if len(owner) else out
+    return FieldLayout(widths, packed.device).unpack(packed)

@@ -1,0 +1,157 @@
+"""The packed runtime with predictive (cross-frame) tensors and keys stored before the rotation."""
+
+import pytest
+import torch
+
+from calibrate.cache import KVCache, Rope, kept_frames
+from calibrate.chain import frame_role
+from calibrate.fit.predictive import fit_head
+from calibrate.predictive_roles import head_params, stack_heads
+from calibrate.quant import predictive as P
+from calibrate.recipe import LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe, save_recipe
+from calibrate.runtime import QuantizedKVCache
+from calibrate.types import ModelInfo
+
+L, H, T, D = 2, 2, 4, 16
+
+
+def toy_rope(coords_BP):
+    """Angles from two coordinates per frame, the same function every time (as a model's)."""
+    freqs = torch.linspace(0.1, 2.0, D // 2)
+    angles = coords_BP[:, None, 0:1] * freqs + coords_BP[:, None, 1:2] * torch.arange(T)[None, :, None] * 0.1
+    return Rope(angles, coords_BP=coords_BP, at=toy_rope)
+
+
+def sequence(num_frames=40, B=2, seed=0):
+    """Slowly moving K/V (a random walk) with a moving camera's rotary coordinates."""
+    g = torch.Generator().manual_seed(seed)
+    base_k = torch.randn(B, H, T, D, generator=g)
+    base_v = torch.randn(B, H, T, D, generator=g)
+    ks, vs, ropes = [], [], []
+    for f in range(num_frames):
+        base_k = base_k + 0.05 * torch.randn(B, H, T, D, generator=g)
+        base_v = base_v + 0.05 * torch.randn(B, H, T, D, generator=g)
+        ks.append(base_k.clone())
+        vs.append(base_v.clone())
+        ropes.append(toy_rope(torch.stack([torch.full((B,), 0.3 * f), torch.full((B,), float(f % 5))], dim=1)))
+    return ks, vs, ropes
+
+
+def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred"):
+    ks, vs, _ = sequence(60, seed=seed + 100)
+    tensors, layers = {}, []
+    for i in range(L):
+        specs = {}
+        for kind, xs in (("k", ks), ("v", vs)):
+            x = torch.stack(xs, dim=2)  # B H F T D
+            params = []
+            for h in range(H):
+                flat = x[:, h].reshape(-1, D)
+                mean = flat.mean(0)
+                cov = (flat - mean).T @ (flat - mean) / len(flat)
+                d = (x[:, h, 1:] - x[:, h, :-1]).reshape(-1, D)
+                params.append(fit_head(mean, cov, d.T @ d / len(d), 2.0))
+            roles = stack_heads(params)
+            tensors.update({f"layers.{i}.{kind}.{r}": t for r, t in roles.items()})
+            specs[kind] = TensorSpec(bits=2, kind="predictive", rotation="learned",
+                                     rotary_coords=2 if (kind == "k" and pre_rotary) else 0,
+                                     token_bits=roles["channel_bits"].sum(-1).tolist(),
+                                     anchor_token_bits=roles["anchor_bits"].sum(-1).tolist())
+        layers.append(LayerSpec(**specs))
+    info = ModelInfo("toy", L, H, D, T, "f" * 16)
+    return Recipe(info, Scheme(name, layers, TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=recent)), tensors)
+
+
+def reference_frames(recipe, ks, vs, layer, kind, via_fp16=False):
+    """Every frame's reconstruction by the sequential closed loop (no window at all); frames that
+    passed through the float16 recent window are coded from their float16 copy."""
+    x = torch.stack(ks if kind == "k" else vs, dim=2)
+    x = x.half().float() if via_fp16 else x
+    t = recipe.layer_tensors(layer, kind)
+    return torch.stack([P.fake_quant_sequence(x[:, h], head_params(t, h)) for h in range(H)], dim=1)  # B H F T D
+
+
+@pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3)])
+def test_runtime_equals_the_closed_loop_reference_and_bytes_match(window, sink, recent):
+    recipe = predictive_recipe(recent=recent)
+    ks, vs, ropes = sequence(40)
+    cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    refs = {(l, kind): reference_frames(recipe, ks, vs, l, kind, recent > 0) for l in range(L) for kind in "kv"}
+    for f in range(40):
+        for layer in range(L):
+            cache.append(layer, ks[f], vs[f], ropes[f])
+            held = cache.frame_indices(layer)
+            assert held == kept_frames(f + 1, window, sink)
+            k_read, v_read = cache.read(layer)
+            for j, g in enumerate(held):
+                sl = slice(j * T, (j + 1) * T)
+                if recent and g >= f + 1 - recent:  # float16 copy of the input
+                    want_k, want_v = ks[g].half().float(), vs[g].half().float()
+                else:
+                    want_k, want_v = refs[(layer, "k")][:, :, g], refs[(layer, "v")][:, :, g]
+                assert torch.allclose(v_read[:, :, sl], want_v, atol=1e-5), (f, layer, g)
+                assert torch.allclose(k_read[:, :, sl], ropes[g].apply(want_k), atol=1e-5), (f, layer, g)
+        assert cache.nbytes() == cache.predicted_nbytes(f + 1, batch=2)
+
+
+def test_roles_anchor_exactly_when_the_predecessor_is_gone():
+    kept = kept_frames(30, 6, 1)
+    roles = {f: frame_role(f, 30, set(kept), 0) for f in kept}
+    assert roles[0] == "delta" and roles[24] == "anchor"
+    assert all(roles[f] == "delta" for f in range(25, 30))
+    assert frame_role(29, 30, set(kept), 2) == "recent"
+
+
+def test_static_input_never_drifts_over_1024_frames():
+    recipe = predictive_recipe(pre_rotary=False)
+    x_k, x_v = torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    rope = toy_rope(torch.zeros(1, 2))
+    cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    errors = []
+    for f in range(1024):
+        cache.append(0, x_k, x_v, rope)
+        _, v = cache.read(0)
+        errors.append(float((v[:, :, -T:] - x_v).abs().max()))
+    # after the chain settles the newest frame's error stops changing: no drift
+    assert max(errors[100:]) <= max(errors[50:100]) + 1e-6
+
+
+def test_recipe_round_trip_and_bad_roles(tmp_path):
+    recipe = predictive_recipe()
+    path = tmp_path / "r.safetensors"
+    save_recipe(recipe, path)
+    again = load_recipe(path)
+    assert again.spec(0, "k").rotary_coords == 2 and again.spec(0, "v").kind == "predictive"
+    bad = predictive_recipe()
+    bad.tensors["layers.1.v.intra_step"] = bad.tensors["layers.1.v.intra_step"] * 1000
+    with pytest.raises(RecipeError, match="intra_step"):
+        save_recipe(bad, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+    bad = predictive_recipe()
+    bad.tensors["layers.0.k.channel_bits"] = bad.tensors["layers.0.k.channel_bits"].to(torch.int32)
+    with pytest.raises(RecipeError, match="channel_bits"):
+        save_recipe(bad, tmp_path / "bad.safetensors")
+    bad = predictive_recipe()
+    bad.scheme.layers[0].v.token_bits = [1, 2]
+    with pytest.raises(RecipeError, match="token_bits"):
+        save_recipe(bad, tmp_path / "bad.safetensors")
+
+
+def test_pre_rotary_recipe_needs_rotary_coordinates():
+    recipe = predictive_recipe()
+    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    plain = Rope(torch.zeros(1, T, D // 2))
+    with pytest.raises(ValueError, match="rotary coordinates"):
+        cache.append(0, torch.randn(1, H, T, D), torch.randn(1, H, T, D), plain)
+
+
+def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
+    recipe = predictive_recipe()
+    ks, vs, ropes = sequence(12)
+    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    for f in range(12):
+        q = torch.randn(2, H, T, D)
+        out = cache.attend(0, q, ks[f], vs[f], ropes[f])
+        k_all, v_all = cache.gather(0, ropes[f].apply(ks[f]), vs[f])
+        ref = torch.softmax(q @ k_all.transpose(-1, -2) / D**0.5, -1) @ v_all
+        assert torch.allclose(out, ref, atol=1e-5)
