@@ -15,6 +15,7 @@ Models own their settings (`WanSettings`, `TrainConfig`); this module only names
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ MODELS = ("tinyworld", "wan_diffusers")
 DEVICES = "auto, cpu or cuda[:N]"
 SPLITS = ("auto", "train", "calibration", "evaluation")
 ROTATIONS = ("none", "hadamard", "learned")
+CODES = ("predictive", "scalar")
+BASES = ("pca", "identity")
+ALLOCATIONS = ("waterfill", "uniform")
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -99,6 +103,17 @@ class QuantConfig:
 @dataclass
 class FitConfig:
     budget_bits: float = 2.5  # average effective bits per cached element, every overhead counted
+    code: str = "predictive"  # predictive (codes across frames, fit/predictive_search.py) | scalar (per-frame codes, fit/search.py)
+    # code=predictive (the default):
+    temporal: bool = True  # tokens may be coded against the previous frame (false: every frame intra-coded)
+    pre_rotary: bool = True  # keys coded before the rotary encoding when the model gives rotary coordinates
+    basis: str = "pca"  # pca: each head's principal axes | identity: the model's channels
+    bit_allocation: str = "waterfill"  # waterfill: widths by variance | uniform: the same width everywhere
+    intra_mults: list[float] = field(default_factory=lambda: [1.0, 1.3, 1.7])  # intra step / Gaussian-optimal step
+    inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
+    bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
+    closed_loop_scales: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4, 2.0])  # inter-step scales tried in rollouts
+    # both codes:
     lambda_temporal: float = 1.0  # weight of the frame-to-frame change of the attention-output error
     closed_loop_frames: int = 96  # horizon of the closed-loop rollouts that select among candidates
     closed_loop_trajectories: int = 3
@@ -117,7 +132,21 @@ class FitConfig:
     keyframe_intervals: list[int] = field(default_factory=lambda: [4, 8, 16])  # candidate N (frames, >= 1)
 
     def check(self) -> None:
-        if self.budget_bits < 2:
+        if self.code not in CODES:
+            raise ValueError(f"config: fit.code must be one of {', '.join(CODES)}, got '{self.code}'")
+        if self.basis not in BASES:
+            raise ValueError(f"config: fit.basis must be one of {', '.join(BASES)}, got '{self.basis}'")
+        if self.bit_allocation not in ALLOCATIONS:
+            raise ValueError(f"config: fit.bit_allocation must be one of {', '.join(ALLOCATIONS)}, got '{self.bit_allocation}'")
+        for name in ("intra_mults", "inter_mults", "closed_loop_scales"):
+            values = getattr(self, name)
+            if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+                raise ValueError(f"config: fit.{name} must be a non-empty list of positive numbers, got {values}")
+        if not (math.isfinite(self.bits_step) and 0 < self.bits_step <= 4):
+            raise ValueError(f"config: fit.bits_step must lie in (0, 4], got {self.bits_step}")
+        if not math.isfinite(self.budget_bits):
+            raise ValueError(f"config: fit.budget_bits must be a finite number, got {self.budget_bits}")
+        if self.code == "scalar" and self.budget_bits < 2:
             raise ValueError(f"config: fit.budget_bits={self.budget_bits} is below the 2 bits per element that 2-bit "
                              f"codes alone need")
         _positive("fit.lambda_temporal", self.lambda_temporal, allow_zero=True)

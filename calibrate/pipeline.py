@@ -26,6 +26,7 @@ from calibrate.evaluate.report import summary_metrics
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.strips import write_strip
 from calibrate.fit.objective import LayerTrace
+from calibrate.fit.predictive_search import fit_predictive, rescaled
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.fit.select import choose, closed_loop_scores, record_choice
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
@@ -276,8 +277,12 @@ def layer_traces(recorder: Recorder, window: int, sink_frames: int, num_trajecto
     if not recorder.traces:
         raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
     trace = recorder.traces[0]
-    return [LayerTrace(*(x[:num_trajectories] for x in trace.stacked(layer)), window=window, sink_frames=sink_frames)
-            for layer in range(len(trace.q))]
+    out = []
+    for layer in range(len(trace.q)):
+        k_pre, angles = trace.keys_before_rotation(layer)
+        out.append(LayerTrace(*(x[:num_trajectories] for x in trace.stacked(layer)), window=window,
+                              sink_frames=sink_frames, k_pre=k_pre[:num_trajectories], angles=angles[:num_trajectories]))
+    return out
 
 
 def closed_loop_trajectories(cfg: Config) -> list[Trajectory]:
@@ -300,11 +305,19 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     check_fit_config(cfg.fit, info)  # before the replay, not after it
     recorder = recorder or calibration_recording(cfg, model, device)
     traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
-    sample = kv_sample(recorder)
-    recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window, sink)
-    candidates = {"fitted": recipe}
-    if record["upgrades"]:
-        candidates["no_mixed_precision"] = base
+    if cfg.fit.code == "predictive":
+        coords = recorder.traces[0].rotary_coords
+        recipe, record, fits = fit_predictive(info, traces, recorder.stats, cfg.fit, window, sink, coords)
+        candidates = {"fitted": recipe}
+        candidates.update({f"inter_x{scale:g}": rescaled(info, fits, cfg.fit, coords, scale, recipe.scheme.name)
+                           for scale in cfg.fit.closed_loop_scales if scale != 1.0})
+    else:
+        sample = kv_sample(recorder)
+        recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window,
+                                          sink)
+        candidates = {"fitted": recipe}
+        if record["upgrades"]:
+            candidates["no_mixed_precision"] = base
     scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
                                 cfg.trajectories.batch_size)
     chosen = choose(scores)

@@ -19,7 +19,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from calibrate.adapters.base import WorldAdapter
-from calibrate.cache import Attended, KVCache
+from calibrate.cache import Attended, KVCache, Rope
 from calibrate.sample import QuerySample
 from calibrate.stats import KVStats, KVStatsConfig, frame_mass, load_stats
 from calibrate.types import ModelInfo, Trajectory
@@ -31,19 +31,29 @@ class NonFiniteError(ValueError):
 
 @dataclass
 class Trace:
-    """Whole frames of one batch of trajectories: per layer lists of [B, H, T, D] per frame."""
+    """Whole frames of one batch of trajectories: per layer lists of [B, H, T, D] per frame (keys
+    post-rotary in `k`, pre-rotary in `k_pre`), and the keys' rotary per frame (`ropes`)."""
 
     q: list[list[Tensor]]
     k: list[list[Tensor]]
     v: list[list[Tensor]]
+    k_pre: list[list[Tensor]] = field(default_factory=list)
+    ropes: list[Rope] = field(default_factory=list)  # layer-independent: one per frame
+    rotary_coords: int = 0  # coordinates the model's rotary gives per frame (0: none)
 
     @staticmethod
     def empty(num_layers: int) -> "Trace":
-        return Trace([[] for _ in range(num_layers)], [[] for _ in range(num_layers)], [[] for _ in range(num_layers)])
+        lists = lambda: [[] for _ in range(num_layers)]
+        return Trace(lists(), lists(), lists(), lists())
 
     def stacked(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(q, k, v) of `layer` as [B, H, F, T, D]."""
         return tuple(torch.stack(x[layer], dim=2) for x in (self.q, self.k, self.v))  # type: ignore[return-value]
+
+    def keys_before_rotation(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(pre-rotary keys [B, H, F, T, D], rotary angles [B, F, T, A]) of `layer`."""
+        angles = torch.stack([r.angles_BTA.expand(self.k_pre[layer][0].shape[0], -1, -1) for r in self.ropes], dim=1)
+        return torch.stack(self.k_pre[layer], dim=2), angles
 
 
 @dataclass
@@ -85,12 +95,19 @@ class RecordingCache(KVCache):
         super().__init__(num_layers, window, sink_frames)
         self.recorder = recorder
         self.trace = trace
+        self._previous: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * num_layers  # (k, k_pre, v) of the last frame
 
     def observe(self, seen: Attended) -> None:
         layer, index, rec = seen.layer, seen.index, self.recorder
         _check_finite(layer, index, seen.k_BHTD, "K")
         _check_finite(layer, index, seen.v_BHTD, "V")
         rec.stats.update(layer, seen.k_rot_BHTD, seen.v_BHTD, index)
+        rec.stats.update_keys_before_rotation(layer, seen.k_BHTD)
+        current = (seen.k_rot_BHTD, seen.k_BHTD, seen.v_BHTD)
+        if self._previous[layer] is not None:
+            for kind, x, prev in zip(("k", "kpre", "v"), current, self._previous[layer]):
+                rec.stats.update_change(kind, layer, x, prev)
+        self._previous[layer] = current
         mass = frame_mass(seen.logits_BHTN.softmax(-1), seen.q_BHTD.shape[2])
         rec.stats.update_attention(layer, mass, seen.frames, index)
         rec.q.update(layer, seen.q_BHTD)
@@ -100,6 +117,11 @@ class RecordingCache(KVCache):
             self.trace.q[layer].append(seen.q_BHTD.detach().cpu())
             self.trace.k[layer].append(seen.k_rot_BHTD.detach().cpu())
             self.trace.v[layer].append(seen.v_BHTD.detach().cpu())
+            self.trace.k_pre[layer].append(seen.k_BHTD.detach().cpu())
+            if layer == 0:
+                self.trace.ropes.append(Rope(seen.key_rope.angles_BTA.detach().cpu()))
+                coords = seen.key_rope.coords_BP
+                self.trace.rotary_coords = 0 if coords is None or seen.key_rope.at is None else coords.shape[-1]
 
 
 def _check_finite(layer: int, frame: int, x_BHTD: Tensor, what: str) -> None:

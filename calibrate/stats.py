@@ -27,6 +27,12 @@ Tensors (names are `"{kind}.{stat}"`, kind `k`, `v` or `attn`; legend below):
     k.bucket_abs_sum    [L, H, U]  float64  sum over tokens and channels of |x|
     k.bucket_absmax_max [L, H, U]  float64  largest token absmax in the bucket
     (the same for v.*)
+    kpre.count [L] int64, kpre.sum [L, H, D], kpre.gram [L, H, D, D] float64
+                                    the same moments of the keys *before* the rotary encoding
+                                    (a predictive code stores them, quant/predictive.py)
+    {k,kpre,v}.delta_count [L] int64, {k,kpre,v}.delta_gram [L, H, D, D] float64
+                                    tokens and sum of d d^T of the frame-to-frame change
+                                    d = x_t - x_{t-1} of the same trajectory and token
     attn.rows           [L]        int64    query rows seen (one per trajectory per update)
     attn.age_mass       [L, Q, A]  float64  attention mass on frames of age a (clipped at A-1)
     attn.age_pairs      [L, A]     int64    (row, cached frame) pairs at age a
@@ -67,8 +73,9 @@ from calibrate.io import read_versioned, safetensors_bytes, write_bytes_atomic
 from calibrate.sample import QuerySample
 
 FORMAT = "kv-stats"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: kpre.* and *.delta_* for predictive codes
 KINDS = ("k", "v")
+CHANGE_KINDS = ("k", "kpre", "v")  # kinds whose frame-to-frame change is summarised
 
 # How each statistic combines across shards/ranks; keyed by the part of the name after "kind.".
 MERGE: dict[str, str] = {
@@ -78,6 +85,7 @@ MERGE: dict[str, str] = {
     "bucket_absmax_max": "max",
     "rows": "sum", "age_mass": "sum", "age_pairs": "sum", "age_uniform": "sum",
     "anchor_mass": "sum", "anchor_pairs": "sum", "anchor_uniform": "sum",
+    "delta_count": "sum", "delta_gram": "sum",
 }
 _INIT = {"min": math.inf, "max": -math.inf}  # everything else starts at 0
 _EPS = 1e-12
@@ -157,6 +165,12 @@ class KVStatsConfig:
             specs[f"{kind}.bucket_count"] = ((L, U), i64)
             for stat in ("bucket_absmax_sum", "bucket_abs_sum", "bucket_absmax_max"):
                 specs[f"{kind}.{stat}"] = ((L, H, U), f64)
+        specs["kpre.count"] = ((L,), i64)
+        specs["kpre.sum"] = ((L, H, D), f64)
+        specs["kpre.gram"] = ((L, H, D, D), f64)
+        for kind in CHANGE_KINDS:
+            specs[f"{kind}.delta_count"] = ((L,), i64)
+            specs[f"{kind}.delta_gram"] = ((L, H, D, D), f64)
         specs["attn.rows"] = ((L,), i64)
         specs["attn.age_mass"] = ((L, Q, A), f64)
         specs["attn.age_pairs"] = ((L, A), i64)
@@ -233,6 +247,36 @@ class KVStats:
         t["bucket_absmax_sum"][:, u] += token_absmax_HN.sum(1)
         t["bucket_abs_sum"][:, u] += a_HND.sum((1, 2))
         t["bucket_absmax_max"][:, u] = torch.maximum(t["bucket_absmax_max"][:, u], token_absmax_HN.amax(1))
+
+    def update_keys_before_rotation(self, layer: int, k_BHTD: Tensor) -> None:
+        """Add one frame's pre-rotary keys of `layer` (count, sum, Gram)."""
+        self._check_layer(layer)
+        x_HND = self._tokens(k_BHTD, "kpre")
+        t = self.tensors
+        t["kpre.count"][layer] += x_HND.shape[1]
+        t["kpre.sum"][layer] += x_HND.sum(1)
+        t["kpre.gram"][layer] += x_HND.transpose(1, 2) @ x_HND
+
+    def update_change(self, kind: str, layer: int, x_BHTD: Tensor, prev_BHTD: Tensor) -> None:
+        """Add the change of one frame of `kind` ("k", "kpre" or "v") from the previous frame of the
+        same trajectories: its Gram matrix, from which a predictive code sizes its inter steps."""
+        if kind not in CHANGE_KINDS:
+            raise ValueError(f"stats change kind must be one of {CHANGE_KINDS}, got {kind!r}")
+        self._check_layer(layer)
+        d_HND = self._tokens(x_BHTD, kind) - self._tokens(prev_BHTD, kind)
+        self.tensors[f"{kind}.delta_count"][layer] += d_HND.shape[1]
+        self.tensors[f"{kind}.delta_gram"][layer] += d_HND.transpose(1, 2) @ d_HND
+
+    def _tokens(self, x_BHTD: Tensor, kind: str) -> Tensor:
+        """[B, H, T, D] -> float64 [H, B*T, D] on this summary's device (shape and values checked)."""
+        cfg = self.config
+        if x_BHTD.dim() != 4 or x_BHTD.shape[1] != cfg.num_heads or x_BHTD.shape[3] != cfg.head_dim:
+            raise ValueError(f"stats expect {kind} as [B, {cfg.num_heads}, T, {cfg.head_dim}], got {list(x_BHTD.shape)}")
+        B, H, T, D = x_BHTD.shape
+        x_HND = x_BHTD.detach().to(self.device, torch.float64).permute(1, 0, 2, 3).reshape(H, B * T, D)
+        if not torch.isfinite(x_HND).all():
+            raise ValueError(f"non-finite {kind} values")
+        return x_HND
 
     def _histogram(self, x_HND: Tensor) -> Tensor:
         """Per-channel bin counts [H, D, NB]; out-of-range values clamp into the edge bins."""

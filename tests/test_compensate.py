@@ -45,7 +45,7 @@ def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path, tiny_world):
     from calibrate.world.trajectories import make_trajectories
 
     model = tiny_world
-    recipe, record = pipeline.fit(tiny_fit_config(comp_rank=4), model, torch.device("cpu"))
+    recipe, record = pipeline.fit(tiny_fit_config(code="scalar", comp_rank=4), model, torch.device("cpu"))
     save_recipe(recipe, tmp_path / "r.safetensors")
     loaded = load_recipe(tmp_path / "r.safetensors", as_world(model).info)
     kept = {(c["layer"], c["tensor"]) for c in record["compensators"]}

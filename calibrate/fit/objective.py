@@ -27,18 +27,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from calibrate.cache import block_mask
+from calibrate.cache import Rope, block_mask
 
 
 @dataclass
 class LayerTrace:
-    """One layer's recorded fp frames: q, k (post-rotary), v as [B, H, F, T, D]."""
+    """One layer's recorded fp frames: q, k (post-rotary), v as [B, H, F, T, D]; optionally the
+    keys before the rotary encoding (`k_pre`) and the rotary angles of each frame [B, F, T, A]."""
 
     q: Tensor
     k: Tensor
     v: Tensor
     window: int
     sink_frames: int
+    k_pre: Tensor | None = None
+    angles: Tensor | None = None
+
+    def rotate(self, k_pre_BHFTD: Tensor) -> Tensor:
+        """Keys given before the rotary encoding, rotated as their frames were: [B, H, F, T, D]."""
+        B, H, F, T, D = k_pre_BHFTD.shape
+        rope = Rope(self.angles.reshape(B, F * T, -1))
+        return rope.apply(k_pre_BHFTD.reshape(B, H, F * T, D)).reshape(B, H, F, T, D)
 
     @property
     def shape(self):

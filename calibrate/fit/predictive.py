@@ -85,8 +85,12 @@ def pca(cov_DD: Tensor) -> tuple[Tensor, Tensor]:
 
 def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: float, *, intra_weight: float = 0.1,
              intra_mult: float = 1.3, inter_mult: float = 0.7, resolution: int = 2, clip_sd: float = 4.0,
-             rotation_DD: Tensor | None = None) -> PredictiveParams:
-    """A head's predictive code spending `avg_bits` per component on average (see module docstring)."""
+             rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill") -> PredictiveParams:
+    """A head's predictive code spending `avg_bits` per component on average (see module docstring).
+
+    `temporal=False` sizes an intra-only code (widths by sigma^2 alone, the grid by the intra step);
+    `allocation="uniform"` gives every component the same width (the ablation without water-filling).
+    """
     D = mean_D.numel()
     if rotation_DD is None:
         _, rotation_DD = pca(cov_DD)
@@ -94,9 +98,16 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
     sigma = torch.diagonal(R.double().T @ cov_DD.double() @ R.double()).clamp_min(0).sqrt().float().clamp_min(1e-8)
     delta = torch.diagonal(R.double().T @ delta_cov_DD.double() @ R.double()).clamp_min(0).sqrt().float()
     delta = torch.maximum(delta, sigma * 1e-3)  # a component that never changed still gets a finite step
-    bits = allocate_bits(delta.pow(2) + intra_weight * sigma.pow(2), int(round(avg_bits * D)))
+    total = int(round(avg_bits * D))
+    if allocation == "uniform":
+        bits = torch.full((D,), total // D, dtype=torch.int64)
+        bits[: total - int(bits.sum())] += 1
+    else:
+        bits = allocate_bits(delta.pow(2) + intra_weight * sigma.pow(2) if temporal else sigma.pow(2), total)
     g = torch.tensor(GAUSSIAN_STEP)[bits]
     s_intra, s_inter = g * sigma * intra_mult, g * delta * inter_mult
+    if not temporal:
+        s_inter = s_intra
     n = (1 << bits) - 1
     max_v = 2 ** (MAX_ANCHOR_BITS - 1) - 1
     # the reach of an anchor: clip_sd standard deviations, and at least the outermost intra level

@@ -44,7 +44,9 @@ def choose(scores: dict[str, dict]) -> str:
 def record_choice(record: dict, scores: dict[str, dict], chosen: str, recipe: Recipe) -> None:
     """Write the selection into the fit `record` (in place) so that it describes `recipe`."""
     record["closed_loop"] = {"scores": scores, "chosen": chosen, "why": WHY}
-    if chosen != "fitted":  # the base recipe: no mixed precision, no compensation
+    if chosen.startswith("inter_x"):  # a predictive recipe with rescaled inter steps: the same bits
+        record["inter_scale"] = float(chosen[len("inter_x"):])
+    elif chosen != "fitted":  # the base recipe: no mixed precision, no compensation
         for key in DROPPED_WITH_BASE:
             record[f"{key}_dropped"], record[key] = record.get(key, []), []
         record["bits_per_element"] = record["base_bits"]

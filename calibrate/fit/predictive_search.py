@@ -1,0 +1,253 @@
+"""Fit a recipe of predictive codes (`fit.code=predictive`, the default).
+
+Every layer's K and V get a predictive transform code (quant/predictive.py), fitted from the
+streaming statistics and scored on the teacher-forced objective (objective.py) over the traced
+calibration frames, coded in sequence as the runtime codes them (chain included):
+
+1. **Statistics** (stats.py): per head the mean and covariance of the cached vectors and of
+   their frame-to-frame change. Keys are taken *before* the rotary encoding when the model
+   gives its rotary coordinates (`fit.pre_rotary`): a moving camera rotates post-rotary keys
+   from frame to frame, which hides both the low-dimensional structure (post-rotary keys need
+   ~35 principal components for 90% of their energy, pre-rotary ~5) and the temporal
+   redundancy the code exploits.
+2. **Per tensor** (K with V in full precision, then V with the fitted K): each head's intra and
+   inter step multipliers from `fit.intra_mults` x `fit.inter_mults`, the pair with the lowest
+   objective per head (heads are independent in the objective), at the base width.
+3. **Mixed precision**: a greedy allocator adds `fit.bits_step` bits per component to one head of
+   one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
+   next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
+4. **Closed loop** (pipeline.fit, select.py): the recipe with its inter steps scaled by each of
+   `fit.closed_loop_scales` rolls out on calibration trajectories, and the best one ships: the
+   rollout, not the teacher-forced objective, has the last word on how coarsely to predict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from calibrate import predictive_roles
+from calibrate.config import FitConfig
+from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
+from calibrate.fit.predictive import fit_head
+from calibrate.memory import bits_per_element
+from calibrate.quant.predictive import fake_quant_sequence
+from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
+from calibrate.stats import KVStats
+
+KINDS = ("k", "v")
+MAX_AVG_BITS = 4.0
+
+
+class BudgetError(ValueError):
+    """fit.budget_bits cannot hold even the coarsest predictive code."""
+
+
+@dataclass(frozen=True)
+class HeadCode:
+    """What the search sets for one head of one tensor."""
+
+    avg_bits: float
+    intra_mult: float
+    inter_mult: float
+
+
+def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean [H, D], covariance [H, D, D], frame-to-frame change second moment [H, D, D]) of
+    `kind` ("k", "kpre" or "v") in `layer`, float64."""
+    t = stats.tensors
+    n = max(int(t[f"{kind}.count"][layer]), 1)
+    mean = t[f"{kind}.sum"][layer] / n
+    cov = t[f"{kind}.gram"][layer] / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+    delta = t[f"{kind}.delta_gram"][layer] / max(int(t[f"{kind}.delta_count"][layer]), 1)
+    return mean, cov, delta
+
+
+@dataclass
+class TensorFit:
+    """One (layer, K or V): its statistics and the per-head choices."""
+
+    kind: str
+    stat_kind: str  # "kpre", "k" or "v"
+    mean: Tensor
+    cov: Tensor
+    delta: Tensor
+    heads: list[HeadCode]
+    _cache: dict = field(default_factory=dict, repr=False)  # (head, HeadCode) -> PredictiveParams
+
+    def params(self, cfg: FitConfig, heads: list[HeadCode] | None = None):
+        out = []
+        for h, c in enumerate(heads or self.heads):
+            if (h, c) not in self._cache:
+                self._cache[(h, c)] = fit_head(
+                    self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
+                    inter_mult=c.inter_mult, temporal=cfg.temporal, allocation=cfg.bit_allocation,
+                    rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
+            out.append(self._cache[(h, c)])
+        return out
+
+    def spec(self, cfg: FitConfig, rotary_coords: int) -> tuple[TensorSpec, dict[str, Tensor]]:
+        roles = predictive_roles.stack_heads(self.params(cfg))
+        spec = TensorSpec(bits=2, kind="predictive", rotation="learned", rotary_coords=rotary_coords,
+                          token_bits=roles["channel_bits"].sum(-1).tolist(),
+                          anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(), temporal=cfg.temporal)
+        return spec, roles
+
+
+def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None) -> Tensor:
+    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary)."""
+    x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
+    out = torch.stack([fake_quant_sequence(x[:, h], p, intra_only=not cfg.temporal)
+                       for h, p in enumerate(fit.params(cfg, heads))], dim=1)
+    return trace.rotate(out) if fit.stat_kind == "kpre" else out
+
+
+def head_objective(trace: LayerTrace, reference: Tensor, k_hat: Tensor | None, v_hat: Tensor | None, lam: float) -> Tensor:
+    """Per-head objective [H] of one layer with these reconstructions (None = full precision)."""
+    return head_scores(reference, attention_outputs(trace, k_hat, v_hat)).objective(lam)
+
+
+def assemble(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, rotary_coords: int,
+             name: str = "ours") -> Recipe:
+    layers, tensors = [], {}
+    for i, pair in enumerate(fits):
+        specs = {}
+        for kind in KINDS:
+            spec, roles = pair[kind].spec(cfg, rotary_coords if kind == "k" and pair[kind].stat_kind == "kpre" else 0)
+            specs[kind] = spec
+            tensors.update({f"layers.{i}.{kind}.{role}": t for role, t in roles.items()})
+        layers.append(LayerSpec(**specs))
+    policy = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = "predictive transform codes fitted by calibrate (see metadata 'fit')"
+    return Recipe(info, Scheme(name=name, layers=layers, policy=policy, notes=notes), tensors)
+
+
+def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cfg: FitConfig, window: int,
+                   sink_frames: int, rotary_coords: int) -> tuple[Recipe, dict, list[dict[str, TensorFit]]]:
+    """Fit every layer's predictive codes and spend the budget; returns (recipe, fit record, the
+    per-tensor fits that `rescaled` turns into closed-loop candidates).
+
+    `rotary_coords` = coordinates the model's rotary gives per frame (0: none, keys post-rotary).
+    """
+    lam = cfg.lambda_temporal
+    pre = cfg.pre_rotary and rotary_coords > 0
+    record: dict = {"code": "predictive", "lambda_temporal": lam, "budget_bits": cfg.budget_bits,
+                    "keys": "pre-rotary" if pre else "post-rotary", "temporal": cfg.temporal, "basis": cfg.basis,
+                    "bit_allocation": cfg.bit_allocation, "layers": []}
+    if cfg.pre_rotary and not rotary_coords:
+        record["keys_why"] = "the model's rotary gives no coordinates: keys are coded post-rotary"
+    base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
+    fits, refs = [], []
+    grid = [(a, b) for a in cfg.intra_mults for b in cfg.inter_mults]
+    for layer, trace in enumerate(tqdm(traces, desc="fit layers")):
+        reference = attention_outputs(trace)
+        refs.append(reference)
+        pair: dict[str, TensorFit] = {}
+        entry = {}
+        k_hat = None
+        for kind in KINDS:
+            stat_kind = "kpre" if (kind == "k" and pre) else kind
+            fit = TensorFit(kind, stat_kind, *moments(stats, stat_kind, layer), [])
+            H = fit.mean.shape[0]
+            scores = []
+            for a, b in grid:
+                fit.heads = [HeadCode(base_bits, a, b)] * H
+                hat = reconstruct(trace, fit, cfg)
+                scores.append(head_objective(trace, reference, hat if kind == "k" else k_hat, hat if kind == "v" else None, lam))
+            best = torch.stack(scores).argmin(0).tolist()
+            fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
+            pair[kind] = fit
+            if kind == "k":
+                k_hat = reconstruct(trace, fit, cfg)
+            entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
+                           "why": "lowest teacher-forced objective per head over fit.intra_mults x fit.inter_mults",
+                           "scores": [[round(float(s[h]), 6) for h in range(H)] for s in scores]}
+        fits.append(pair)
+        record["layers"].append(entry)
+    recipe = assemble(info, fits, cfg, rotary_coords)
+    record["base_bits"] = bits_per_element(info, recipe.scheme, window, sink_frames)
+    record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords) \
+        if cfg.mixed_precision else []
+    recipe = assemble(info, fits, cfg, rotary_coords)
+    record["bits_per_element"] = bits_per_element(info, recipe.scheme, window, sink_frames)
+    record["head_bits"] = {f"{i}.{kind}": [c.avg_bits for c in pair[kind].heads] for i, pair in enumerate(fits)
+                           for kind in KINDS}
+    return recipe, record, fits
+
+
+def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
+    """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget."""
+    for avg in (2.0, 1.75, 1.5, 1.25, 1.0):
+        fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
+                                 *moments(stats, "kpre" if kind == "k" and pre else kind, l),
+                                 [HeadCode(avg, 1.3, 0.7)] * info.num_kv_heads) for kind in KINDS}
+                for l in range(info.num_layers)]
+        if bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames) <= cfg.budget_bits + 1e-9:
+            return avg
+    raise BudgetError(f"config: fit.budget_bits={cfg.budget_bits} is below what a predictive code of 1 bit per "
+                      f"component with its anchors needs for this model and window")
+
+
+def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rotary_coords) -> list[dict]:
+    """Greedy: +`fit.bits_step` bits per component for the head with the best objective gain per bit."""
+    lam, step = cfg.lambda_temporal, cfg.bits_step
+
+    def bits_now() -> float:
+        return bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames)
+
+    def layer_scores(layer: int, which: str | None = None, up: list[HeadCode] | None = None) -> Tensor:
+        pair = fits[layer]
+        k_hat = reconstruct(traces[layer], pair["k"], cfg, up if which == "k" else None)
+        v_hat = reconstruct(traces[layer], pair["v"], cfg, up if which == "v" else None)
+        return head_objective(traces[layer], refs[layer], k_hat, v_hat, lam)
+
+    def offers(layer: int, current: Tensor) -> list[tuple[float, int, str, int]]:
+        out = []
+        for kind in KINDS:
+            heads = fits[layer][kind].heads
+            up = [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in heads]
+            new = layer_scores(layer, kind, up)
+            out += [(float(current[h] - new[h]), layer, kind, h) for h in range(len(heads)) if up[h] != heads[h]]
+        return out
+
+    scores = [layer_scores(l) for l in range(len(traces))]
+    pending = {l: offers(l, scores[l]) for l in range(len(traces))}
+    taken, bar = [], tqdm(desc="mixed precision", unit="upgrade")
+    while True:
+        current = bits_now()
+        best = None
+        for gain, layer, kind, h in [o for layer_offers in pending.values() for o in layer_offers]:
+            if gain <= 0:
+                continue
+            heads = fits[layer][kind].heads
+            old = heads[h]
+            heads[h] = replace(old, avg_bits=old.avg_bits + step)
+            cost = bits_now() - current
+            heads[h] = old
+            if cost <= 0 or current + cost > cfg.budget_bits + 1e-9:
+                continue
+            if best is None or gain / cost > best[0]:
+                best = (gain / cost, gain, cost, layer, kind, h)
+        if best is None:
+            break
+        _, gain, cost, layer, kind, h = best
+        heads = fits[layer][kind].heads
+        heads[h] = replace(heads[h], avg_bits=heads[h].avg_bits + step)
+        scores[layer] = layer_scores(layer)
+        pending[layer] = offers(layer, scores[layer])
+        taken.append({"layer": layer, "tensor": kind, "head": h, "avg_bits": heads[h].avg_bits,
+                      "gain": round(gain, 6), "bits_cost": round(cost, 4)})
+        bar.update(1)
+    bar.close()
+    return taken
+
+
+def rescaled(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, rotary_coords: int, scale: float,
+             name: str) -> Recipe:
+    """The fitted recipe with every inter step multiplier scaled (a closed-loop candidate)."""
+    scaled = [{kind: replace(f, heads=[replace(c, inter_mult=c.inter_mult * scale) for c in f.heads], _cache={})
+               for kind, f in pair.items()} for pair in fits]
+    return assemble(info, scaled, cfg, rotary_coords, name)
