@@ -70,8 +70,8 @@ def write_report_html(path: str | os.PathLike, rep: dict, runs: dict[str, Scheme
         frames, note = None, f"no players: {sheets.note}"
     else:
         frames, note = _frames(sheets.directory, runs, trajs)
-    if note:
-        log.warning("report.html: %s", note)
+    if note:  # a problem worth a warning, unless the run chose to keep no frames
+        (log.info if sheets is None else log.warning)("report.html: %s", note)
     rows = report_mod.blind_spot_rows(rep)
     data = {
         "schemes": list(runs),
