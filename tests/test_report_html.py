@@ -5,7 +5,6 @@ A tiny random TinyWorld keeps this fast (its frames are noise-like, which is the
 the encoder and as good as any for exactness). The real-browser test is test_report_html_browser.py.
 """
 
-import base64
 import copy
 import re
 import shutil
@@ -16,7 +15,7 @@ import torch
 
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
-from calibrate.evaluate.html import TRAP_SENTENCE, fit_summary, page_data, write_report_html
+from calibrate.evaluate.html import TRAP_SENTENCE, embed, fit_summary, page_data, unembed, write_report_html
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.sheets import (MAX_HEIGHT, SHEET_FRAMES, FrameSheets, decode_sheet, difference, encode_sheet,
                                        read_stream, sheet_frames, sheet_path, to_uint8, undo_difference)
@@ -58,6 +57,14 @@ def test_difference_is_exact_for_every_pair_of_values():
     assert torch.all(difference(r, r) == 128)  # equal frames: a flat sheet
 
 
+def test_embedded_text_round_trips_and_is_safe_in_a_script_block():
+    data = bytes(range(256)) * 3 + b"</script>"
+    for n in range(len(data) - 5, len(data) + 1):  # every length of the last group
+        text = embed(data[:n])
+        assert unembed(text) == data[:n]
+        assert not set(text) & set('"\\<') and len(text) <= 5 * n / 4 + 1
+
+
 def test_sheet_rejects_what_it_cannot_hold():
     with pytest.raises(ValueError, match="sheet holds"):
         encode_sheet(torch.zeros(SHEET_FRAMES + 1, 2, 2, 3, dtype=torch.uint8))
@@ -85,10 +92,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def evaluated(model, tmp_path_factory):
-    """fp16 + naive2 on 3 trajectories (lengths 70 and 20: two batches, 2 and 1 sheets), frames kept."""
+    """fp16 + naive2 on 3 trajectories (lengths 130 and 20: two batches, 2 and 1 sheets), frames kept."""
     info = model_info(model)
     recipes = {"fp16": build_baseline("fp16", info), "naive2": build_baseline("naive2", info)}
-    trajs = make_trajectories(["static", "stress"], "evaluation", 2, 70) + make_trajectories(["orbit"], "evaluation", 1, 20)
+    trajs = make_trajectories(["static", "stress"], "evaluation", 2, 130) + make_trajectories(["orbit"], "evaluation", 1, 20)
     sheets = FrameSheets(tmp_path_factory.mktemp("frames"))
     runs = evaluate(model, recipes, trajs, 16, 1, CPU, batch_size=8, attention=False, keep_frames=True, on_rollout=sheets)
     rep = report_mod.build(runs, [], {}, 30.0)
@@ -102,7 +109,7 @@ def kept(runs, name: str, key: str) -> list[torch.Tensor]:
 
 def page_frames(frames: dict, trajectory: dict, stream: list[str]) -> torch.Tensor:
     n = trajectory["num_frames"]
-    return torch.cat([decode_sheet(base64.b64decode(s), sheet_frames(n, k)) for k, s in enumerate(stream)])
+    return torch.cat([decode_sheet(unembed(s), sheet_frames(n, k)) for k, s in enumerate(stream)])
 
 
 def test_page_embeds_every_rollout_exactly(evaluated, tmp_path):
@@ -110,11 +117,11 @@ def test_page_embeds_every_rollout_exactly(evaluated, tmp_path):
     page = write_report_html(tmp_path / "report.html", rep, runs, sheets, "pytest").read_text()
     data = page_data(page)
     assert data["frames_note"] is None and data["schemes"] == ["fp16", "naive2"]
-    assert [t["num_frames"] for t in data["trajectories"]] == [70, 70, 20]
+    assert [t["num_frames"] for t in data["trajectories"]] == [130, 130, 20]
     frames = data["frames"]
     ref, truth = kept(runs, "fp16", "reference"), kept(runs, "fp16", "ground_truth")
     for i, (traj, entry) in enumerate(zip(data["trajectories"], frames["trajectories"])):
-        assert len(entry["reference"]) == (2 if traj["num_frames"] == 70 else 1)
+        assert len(entry["reference"]) == (2 if traj["num_frames"] == 130 else 1)
         r = page_frames(frames, traj, entry["reference"])
         assert torch.equal(r, ref[i])
         assert torch.equal(page_frames(frames, traj, entry["ground_truth"]), truth[i])
@@ -179,7 +186,7 @@ def test_a_missing_or_damaged_sheet_is_one_line_and_only_its_players_go(evaluate
     assert "naive2" not in t[1]["quantized"] and "fp16" in t[1]["quantized"]
     assert t[0]["quantized"].keys() == {"fp16", "naive2"}
     with pytest.raises(ValueError, match="not a readable WebP"):
-        read_stream(frames, "quantized/naive2", 1, 70)
+        read_stream(frames, "quantized/naive2", 1, 130)
     with pytest.raises(ValueError, match="2.0.webp: missing"):
         read_stream(frames, "reference", 2, 20)
 

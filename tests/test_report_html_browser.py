@@ -35,13 +35,13 @@ PANELS = ("reference", "quantized", "error", "ground_truth")
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """Three schemes on 2 x 48-frame and 1 x 24-frame held-out trajectories: the page, a copy with
+    """Three schemes on 2 x 140-frame (two sheets) and 1 x 24-frame held-out trajectories: the page, a copy with
     a damaged sheet, one without frames, and the frames the players must show."""
     out = tmp_path_factory.mktemp("report")
     model = load_model("tinyworld")
     info = model_info(model)
     recipes = {n: build_baseline(n, info) for n in ("fp16", "naive2", "kivi4")}
-    trajs = make_trajectories(["static", "stress"], "evaluation", 2, 48) + make_trajectories(["orbit"], "evaluation", 1, 24)
+    trajs = make_trajectories(["static", "stress"], "evaluation", 2, 140) + make_trajectories(["orbit"], "evaluation", 1, 24)
     sheets = FrameSheets(out / "frames")
     runs = evaluate(model, recipes, trajs, 16, 1, CPU, attention=False, keep_frames=True, on_rollout=sheets)
     rep = report_mod.build(runs, [], {}, 30.0)
@@ -96,6 +96,8 @@ def test_plays_seeks_by_clicking_the_curve_and_the_players_agree(report, tmp_pat
 
         click_curve(d, "curve-psnr", 30)  # a real mouse click on the PSNR curve at frame 30
         assert assert_players_agree(d, frames)["index"] == 30
+        click_curve(d, "curve-psnr", 135)  # in the second sheet
+        assert assert_players_agree(d, frames)["index"] == 135
         click_curve(d, "curve-flicker", 7)
         assert assert_players_agree(d, frames)["index"] == 7
         d.find_element("id", "next").click()

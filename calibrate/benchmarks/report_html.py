@@ -18,7 +18,6 @@ driven by selenium (``pip install -e ".[browser]"``); paths from ``CALIBRATE_CHR
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from calibrate.evaluate.html import page_data
+from calibrate.evaluate.html import page_data, unembed
 from calibrate.io import write_bytes_atomic, write_text_atomic
 
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -151,7 +150,7 @@ def sizes(page_path: Path) -> list[dict]:
     def add(stream, sheets, n):
         if sheets:
             t = totals.setdefault(stream, [0, 0, 0])
-            t[0] += sum(len(base64.b64decode(s)) for s in sheets)
+            t[0] += sum(len(unembed(s)) for s in sheets)
             t[1] += n * per_frame
             t[2] += n
 
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['stream']} | {r['frames']} | {r['bytes']:,} | {r['raw_bytes']:,} | {r['ratio']:.3f} |")
     embedded = sum(r["bytes"] for r in rows)
-    lines.append(f"| all (base64 in the page: x4/3) | | {embedded:,} | {sum(r['raw_bytes'] for r in rows):,} | "
+    lines.append(f"| all (Base85 text in the page: x5/4) | | {embedded:,} | {sum(r['raw_bytes'] for r in rows):,} | "
                  f"{embedded / max(1, sum(r['raw_bytes'] for r in rows)):.3f} |")
     if args.screenshot:
         shot = screenshot(page, Path(args.screenshot), args.at)

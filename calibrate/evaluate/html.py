@@ -11,10 +11,10 @@ disk with no network and no server:
 * each recipe's measured memory and a summary of how it was fitted; the per-window tables.
 
 Frames are the run's frame sheets (sheets.py: lossless WebP, rows interleaved by time,
-quantized rollouts as differences to the reference) embedded as base64; the page decodes the
-selected trajectory's sheets on a canvas, undoes the differences and computes the error panel
-itself, so nothing upscaled or derived is stored (panels are upscaled by CSS with
-``image-rendering: pixelated``). Tables are plain HTML written here, readable without
+quantized rollouts as differences to the reference) embedded as Base85 text (:func:`embed`);
+the page decodes the selected trajectory's sheets on a canvas, undoes the differences and
+computes the error panel itself, so nothing upscaled or derived is stored (panels are upscaled
+by CSS with ``image-rendering: pixelated``). Tables are plain HTML written here, readable without
 JavaScript; the player and the curves are hand-written canvas/SVG in
 ``report_template.html`` (no plotting library: two line plots and a cursor do not earn one).
 
@@ -130,7 +130,7 @@ def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> 
                 if stream == REFERENCE:
                     break  # the quantized streams are differences to it: nothing to show for this trajectory
                 continue
-            encoded = [base64.b64encode(s).decode("ascii") for s in sheets]
+            encoded = [embed(s) for s in sheets]
             if scheme is None:
                 entry[stream] = encoded
             else:
@@ -143,6 +143,23 @@ def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> 
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         note = f"some players are off: frame sheet {problems[0]}{more}"
     return {"height": size[0], "width": size[1], "sheet_frames": SHEET_FRAMES, "trajectories": out}, note
+
+
+# Base85 (RFC 1924's alphabet, as Python's b85encode) with '<' written as '.': 25% larger than
+# the bytes where base64 is 33% (~1.2 MB less on the default compare), and every character may
+# stand in a JSON string inside <script> as is (no '"', '\\' or '<', so no '</script>').
+_B85_PAGE = bytes.maketrans(b"<", b".")
+_B85_BACK = bytes.maketrans(b".", b"<")
+
+
+def embed(data: bytes) -> str:
+    """Bytes as the page's text (its JavaScript decodes the same alphabet)."""
+    return base64.b85encode(data).translate(_B85_PAGE).decode("ascii")
+
+
+def unembed(text: str) -> bytes:
+    """Inverse of :func:`embed`."""
+    return base64.b85decode(text.encode("ascii").translate(_B85_BACK))
 
 
 def _default_scheme(rows: list[dict]) -> str:

@@ -39,12 +39,12 @@ from torch import Tensor
 
 from calibrate.io import write_bytes_atomic
 
-SHEET_FRAMES = 64
+SHEET_FRAMES = 128
 """Frames per sheet (the last sheet of a rollout holds the rest)."""
 MAX_SHEET_ROWS = 16383
 """WebP's largest image side: a sheet is `SHEET_FRAMES * H` rows tall."""
 MAX_HEIGHT = MAX_SHEET_ROWS // SHEET_FRAMES
-"""Tallest frame (pixels) a sheet can hold: 255."""
+"""Tallest frame (pixels) a sheet can hold: 127 (TinyWorld: 32; Wan 480p latents: 60)."""
 REFERENCE, GROUND_TRUTH = "reference", "ground_truth"
 
 
