@@ -1,8 +1,9 @@
 """report.html in a real browser: what it embeds, how fast it opens, and a screenshot.
 
     python -m calibrate task=compare schemes=[fp16,naive2,kivi2,kivi4,quarot2,kvquant2,qvg2] hydra.run.dir=/tmp/html-compare
-    python -m calibrate.benchmarks.report_html /tmp/html-compare \\
-        --screenshot artifacts/benchmarks/report_html.png --out artifacts/benchmarks/report_html.md
+    python -m calibrate.benchmarks.report_html /tmp/html-compare [/tmp/html-compare8 ...] \\
+        --screenshot artifacts/benchmarks/report_html.png --trajectory 2 --scheme naive2 --at 0.6 \\
+        --out artifacts/benchmarks/report_html.md
 
 Prints (and with --out writes) a table of the page's size and of its embedded frame sheets per
 stream, in bytes per raw 8-bit RGB byte. With --screenshot it opens the page in headless
@@ -163,10 +164,15 @@ def sizes(page_path: Path) -> list[dict]:
     return [{"stream": s, "frames": t[2], "bytes": t[0], "raw_bytes": t[1], "ratio": t[0] / t[1]} for s, t in totals.items()]
 
 
-def screenshot(page_path: Path, out: Path, at: float) -> dict:
-    """Open the page, seek by clicking the PSNR curve, check agreement, save a screenshot."""
-    with browser() as driver:
+def screenshot(page_path: Path, out: Path, at: float, trajectory: int | None = None, scheme: str | None = None) -> dict:
+    """Open the page, pick a trajectory and scheme (default: the page's), seek by clicking the
+    PSNR curve, check that the page agrees on the frame, save a screenshot."""
+    with browser(height=1760) as driver:
         seconds = open_report(driver, page_path)
+        for element, value in (("traj", trajectory), ("scheme", scheme)):
+            if value is not None:
+                select(driver, element, str(value))
+                wait_ready(driver)
         state = page_state(driver)
         n = page_data(page_path.read_text(encoding="utf-8"))["trajectories"][state["trajectory"]]["num_frames"]
         click_curve(driver, "curve-psnr", round(at * (n - 1)))
@@ -182,36 +188,52 @@ def screenshot(page_path: Path, out: Path, at: float) -> dict:
             "trajectory": state["trajectory"], "console_errors": errors}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="a run directory holding report.html")
-    p.add_argument("--screenshot", help="write a PNG screenshot here (needs Chromium + selenium)")
-    p.add_argument("--at", type=float, default=0.75, help="seek to this fraction of the rollout before the screenshot")
-    p.add_argument("--out", help="write the table as markdown here")
-    args = p.parse_args(argv)
-    page = Path(args.run_dir) / "report.html"
-    if not page.is_file():
-        print(f"error: {page} not found (run task=evaluate, compare or check first)", file=sys.stderr)
-        return 2
-    rows = sizes(page)
+def size_table(page: Path) -> list[str]:
+    data = page_data(page.read_text(encoding="utf-8"))
+    trajs = data["trajectories"]
     total = page.stat().st_size
-    lines = [f"report.html: {total / 1e6:.2f} MB ({total:,} bytes)", "",
+    lines = [f"`{page}`: {len(data['schemes'])} schemes x {len(trajs)} trajectories x up to "
+             f"{max(t['num_frames'] for t in trajs)} frames: **{total / 1e6:.2f} MB** ({total:,} bytes)", "",
              "| stream | frames | sheet bytes | raw RGB bytes | sheet / raw |", "|---|---|---|---|---|"]
+    rows = sizes(page)
     for r in rows:
         lines.append(f"| {r['stream']} | {r['frames']} | {r['bytes']:,} | {r['raw_bytes']:,} | {r['ratio']:.3f} |")
-    embedded = sum(r["bytes"] for r in rows)
-    lines.append(f"| all (Base85 text in the page: x5/4) | | {embedded:,} | {sum(r['raw_bytes'] for r in rows):,} | "
-                 f"{embedded / max(1, sum(r['raw_bytes'] for r in rows)):.3f} |")
+    embedded, raw = sum(r["bytes"] for r in rows), sum(r["raw_bytes"] for r in rows)
+    lines.append(f"| all (Base85 text in the page: x5/4) | | {embedded:,} | {raw:,} | {embedded / max(1, raw):.3f} |")
+    return lines + [""]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", help="run directories holding report.html (the screenshot is of the first)")
+    p.add_argument("--screenshot", help="write a PNG screenshot here (needs Chromium + selenium)")
+    p.add_argument("--at", type=float, default=0.75, help="seek to this fraction of the rollout before the screenshot")
+    p.add_argument("--trajectory", type=int, help="show this trajectory (index in the page's picker; default: the page's)")
+    p.add_argument("--scheme", help="show this scheme (default: the page's)")
+    p.add_argument("--out", help="write the tables as markdown here")
+    args = p.parse_args(argv)
+    pages = [Path(d) / "report.html" for d in args.run_dirs]
+    for page in pages:
+        if not page.is_file():
+            print(f"error: {page} not found (run task=evaluate, compare or check first)", file=sys.stderr)
+            return 2
+    lines = [line for page in pages for line in size_table(page)]
     if args.screenshot:
-        shot = screenshot(page, Path(args.screenshot), args.at)
-        lines += ["", f"Opened in headless Chromium: players ready after {shot['load_seconds']:.1f} s; screenshot "
-                      f"`{args.screenshot}` at frame {shot['frame']} of trajectory {shot['trajectory']}, scheme "
-                      f"{shot['scheme']}; console errors: {len(shot['console_errors'])}."]
+        shot = screenshot(pages[0], Path(args.screenshot), args.at, args.trajectory, args.scheme)
+        lines += [f"Opened `{pages[0]}` in headless Chromium: players ready after {shot['load_seconds']:.1f} s; "
+                  f"clicked the PSNR curve at frame {shot['frame']} of trajectory {shot['trajectory']}, scheme "
+                  f"{shot['scheme']}: frame index, seek bar, cursors and players agree; console errors: "
+                  f"{len(shot['console_errors'])}; screenshot `{args.screenshot}`."]
     print("\n".join(lines))
     if args.out:
         command = "python -m calibrate.benchmarks.report_html " + " ".join(argv if argv is not None else sys.argv[1:])
         head = ["# report.html: size and a real-browser check", "", f"Command: `{command}`  ",
-                f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", ""]
+                f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",
+                "Budget: <= 20 MB for the default compare with `ours` (8 schemes x 7 trajectories x 256 frames of "
+                "32x32 RGB). The runs were made with:", "",
+                "    python -m calibrate task=compare schemes=[fp16,naive2,kivi2,kivi4,quarot2,kvquant2,qvg2] hydra.run.dir=/tmp/html-compare",
+                "    python -m calibrate task=compare schemes=[fp16,naive2,kivi2,kivi4,quarot2,kvquant2,qvg2,ours] hydra.run.dir=/tmp/html-compare8",
+                ""]
         write_text_atomic(args.out, "\n".join(head + lines) + "\n")
     return 0
 

@@ -18,9 +18,10 @@ by CSS with ``image-rendering: pixelated``). Tables are plain HTML written here,
 JavaScript; the player and the curves are hand-written canvas/SVG in
 ``report_template.html`` (no plotting library: two line plots and a cursor do not earn one).
 
-Size: ~2.4 raw-RGB bytes per trajectory-frame for the default compare, x4/3 for base64:
-about 14-17 MB for 7 schemes x 7 trajectories x 256 frames of 32x32 TinyWorld frames (budget:
-<= 20 MB; see artifacts/benchmarks/report_html.md for the measured number).
+Size budget: <= 20 MB for the default compare with `ours`, 8 schemes x 7 trajectories x 256
+frames of 32x32 TinyWorld frames; measured 19.4 MB (7 schemes: 17.2 MB), 0.28 sheet bytes per
+raw RGB byte, x5/4 as text (artifacts/benchmarks/report_html.md). Each further scheme adds
+about 2.1 MB; the page decodes only the selected trajectory, so it opens in ~2 s.
 
 A run without frames (``eval.strips=false``) still gets the page, with the numbers and the
 curves and one line saying why there are no players; a missing or damaged sheet file turns
@@ -38,6 +39,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from calibrate.evaluate import metrics as M
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import SchemeRun
 from calibrate.evaluate.sheets import (GROUND_TRUTH, REFERENCE, SHEET_FRAMES, FrameSheets, SheetError, quantized_stream,
@@ -78,8 +80,8 @@ def write_report_html(path: str | os.PathLike, rep: dict, runs: dict[str, Scheme
         "trap": {r["scheme"]: r["trap"] for r in rows},
         "bits": {r["scheme"]: r["bits"] for r in rows},
         "trajectories": trajs,
-        "series": {name: {"psnr_ref": [[round(float(x), 3) for x in t.series["psnr_ref"]] for t in run.trajs],
-                          "flicker": [[float(f"{float(x):.4g}") for x in t.series["flicker"]] for t in run.trajs]}
+        "series": {name: {"psnr_ref": [[round(M.json_safe(x), 3) for x in t.series["psnr_ref"]] for t in run.trajs],
+                          "flicker": [[float(f"{M.json_safe(x, False):.4g}") for x in t.series["flicker"]] for t in run.trajs]}
                    for name, run in runs.items()},
         "default_scheme": _default_scheme(rows),
         "short_frames": report_mod.SHORT,
@@ -114,7 +116,7 @@ def _trajectories(runs: dict[str, SchemeRun]) -> list[dict]:
 
 
 def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> tuple[dict | None, str | None]:
-    """The embedded sheets (base64) of every trajectory and stream, and one line on what is missing."""
+    """The embedded sheets (Base85 text) of every trajectory and stream, and one line on what is missing."""
     size, problems, out = None, [], []
     for i, traj in enumerate(trajs):
         n = traj["num_frames"]

@@ -17,13 +17,15 @@ predictors ("top", "average of top and left", ...) become temporal predictors. S
   ``(q - r + 128) mod 256`` per channel, which is exact (``q = (d + r + 128) mod 256``), almost
   flat where a scheme stays close to fp, and no larger than the plain frames where it does not.
 
-Measured on the default compare (TinyWorld, 7 trajectories x 256 frames of 32x32 RGB), bytes
-per raw RGB byte: frames stacked one under another as PNG 0.46; interleaved as PNG 0.34, as
-WebP 0.30 (reference), 0.24 (ground truth); quantized as differences 0.007 (fp16), 0.15 (kivi4),
-0.37 (naive2; 0.37 as plain frames). WebP rather than PNG: 25-30% smaller at the same encode
-time (~0.07 s per sheet here) and decoded by every current browser; Pillow writes it with its
-bundled libwebp. Frames are files under the run dir as soon as their batch is done, so an
-evaluation holds no frames beyond its current batch for the report.
+Measured on the default compare (TinyWorld, 7 trajectories x 256 frames of 32x32 RGB), sheet
+bytes per raw RGB byte: reference 0.30, ground truth 0.29; quantized, as differences: fp16
+0.007, kivi4 0.16, kivi2 0.28, kvquant2 0.31, qvg2 0.33, naive2 0.37 (0.37 as plain frames
+too), quarot2 0.41. Frames stacked one under another instead would cost ~1.4x (PNG: 0.46 vs
+0.34 interleaved); WebP rather than PNG is 25-30% smaller at a similar encode time (~0.4 s per
+128-frame sheet here, ~50 s of a 7-8 minute default compare) and is decoded by every current
+browser; Pillow writes it with its bundled libwebp. Sheets are files under the run dir as soon
+as their batch is done, so an evaluation holds no frames beyond its current batch for the
+report, and a resumed run finds the sheets of the batches it does not redo.
 """
 
 from __future__ import annotations
