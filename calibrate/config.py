@@ -175,7 +175,7 @@ class FitConfig:
 class EvalConfig:
     save_frames: bool = False  # also write frames.safetensors (reference, quantized, ground truth)
     psnr_threshold_db: float = 30.0  # drift: first frame whose psnr_ref falls below this
-    strips: bool = True
+    strips: bool = True  # GIF strips of each scheme's worst trajectory and the players of report.html
     attention: bool = True  # per-layer attention KL / top-frame agreement (costs a second pass)
 
 

@@ -22,8 +22,10 @@ from calibrate.adapters import AdapterError, TinyWorldAdapter, WorldAdapter, as_
 from calibrate.config import Config, ModelConfig, resolve_split
 from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
+from calibrate.evaluate.html import write_report_html
 from calibrate.evaluate.report import summary_metrics
 from calibrate.evaluate.run import evaluate
+from calibrate.evaluate.sheets import FrameSheets
 from calibrate.evaluate.strips import write_strip
 from calibrate.fit.objective import LayerTrace
 from calibrate.fit.predictive_search import fit_predictive, rescaled
@@ -201,13 +203,16 @@ def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], 
     trajs = trajectory_set(cfg)
     partial = out_dir / "partial"
     partial.mkdir(parents=True, exist_ok=True)
+    sheets = FrameSheets(partial / "frames", as_world(model).preview) if cfg.eval.strips else None  # report.html's players
     runs = evaluate(as_world(model), recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
-                    cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames)
+                    cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames,
+                    on_rollout=sheets)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
     images = write_figures(rep, runs, out_dir, cfg.eval.strips, as_world(model).preview)
     write_json(out_dir / "report.json", rep)
     write_text_atomic(out_dir / "report.md", report_mod.markdown(rep, command, images))
+    write_report_html(out_dir / "report.html", rep, runs, sheets, command)
     if cfg.eval.save_frames:
         save_frames(out_dir / "frames.safetensors", runs)
     print(report_mod.blind_spot_markdown(rep))
@@ -365,13 +370,16 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     recipe = load_recipe(cfg.recipe, as_world(model).info)
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
         cfg = gate.check_trajectories(cfg)  # the default set of a check is the check set
-    runs = evaluate(as_world(model), {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window, cfg.model.cache.sink_frames,
-                    device, cfg.trajectories.batch_size, attention=False)
-    measured = summary_metrics(report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db))
+    sheets = FrameSheets(out_dir / "partial" / "frames", as_world(model).preview) if cfg.eval.strips else None
+    runs = evaluate(as_world(model), {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window,
+                    cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets)
+    rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
+    measured = summary_metrics(rep)
     recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))
     write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})
     write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
+    write_report_html(out_dir / "report.html", rep, runs, sheets, _command(), check=result)
     print(gate.markdown_table(result["criteria"]))
     return result
 

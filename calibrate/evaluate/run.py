@@ -101,16 +101,23 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
 
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
-             keep_frames: bool = False) -> dict[str, SchemeRun]:
-    """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`)."""
+             keep_frames: bool = False, on_rollout=None) -> dict[str, SchemeRun]:
+    """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`).
+
+    `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
+    as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
+    model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
+    """
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
     layers = world.info.num_layers
     attn_sums = {name: None for name in recipes}
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
+    first = 0
     for bi, group in enumerate(groups):
         todo = [n for n in recipes if not (partial_dir and (partial_dir / f"{n}.{bi}.safetensors").exists())]
         truth = world.ground_truth(group, device)
+        has_truth = truth is not None
         shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
         fp_cache = ShadowCache(layers, window, sink_frames, shadows)
         ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
@@ -131,6 +138,8 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 if path is not None:
                     _save_partial(path, results, memory, attn)
                 _track_worst(runs[name], results, ref, quant)
+                if on_rollout is not None:
+                    on_rollout(name, first, ref, quant, truth if has_truth else None)
                 if keep_frames:
                     runs[name].frames = (runs[name].frames or []) + [
                         {"reference": ref.cpu(), "quantized": quant.cpu(), "ground_truth": truth.cpu()}]
@@ -138,6 +147,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             runs[name].memory = _add(runs[name].memory, memory)
             attn_sums[name] = _add(attn_sums[name] or {}, attn)
             bar.update(1)
+        first += len(group)
     bar.close()
     for name, run in runs.items():
         run.attention = attn_sums[name] or {}
