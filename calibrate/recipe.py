@@ -25,6 +25,19 @@ The scheme (JSON) says, per layer and for K and V separately, a `TensorSpec`:
 Keys only, optional: role `logit_bias` [H, D] (>= 0), the key-noise logit correction (per-channel
 key-error variance in the code basis, times the fitted strength; quant/logit_noise.py).
 
+Format 1.1 adds (each rejected with a clear error by a 1.0 loader, never misread):
+
+    kind "prq"      Quant VideoGen: `prq_stages` k-means stages of `prq_centroids` centroids,
+                    fitted at run time on the first frame of each span of `prq_span_frames`
+                    frames (`prq_kmeans_iters` iterations) and shared by the span; then a
+                    symmetric b-bit residual with an FP8 scale per token and group (quant/qvg.py)
+    kind "turbo"    TurboQuant MSE: L2 norm per token, Lloyd-Max levels (role `lloyd_max`)
+    kind "turbo_prod"  TurboQuant inner product: b-1 bit "turbo" codes + 1-bit QJL sketch of the
+                    residual (role `qjl` [H, D, D]) (quant/turbo.py)
+    rotation "random"  a Haar-random orthogonal rotation (role `rotation`)
+    jensen          keys only: subtract the Jensen-bias correction computed from each stored
+                    key's own step sizes (quant/jensen.py)
+
 and a token policy: `sink_frames` frames at `sink_bits`, the newest `recent_frames` frames at
 `recent_bits`, every `keyframe_interval`-th frame at `keyframe_bits` (0 = none).
 """
@@ -42,13 +55,15 @@ from calibrate.io import check_format, read_safetensors, safetensors_bytes, writ
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: kinds prq, turbo, turbo_prod; roles lloyd_max, qjl; rotation random; jensen
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
-               "comp_down", "comp_up", "logit_bias")
+               "comp_down", "comp_up", "logit_bias", "lloyd_max", "qjl")
 ALLOWED_BITS = (2, 3, 4, 8, 16)
-CODE_KINDS = ("uniform", "codebook")  # TensorSpec.kind; calibrate/codec.py implements each
+CODE_KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod")  # TensorSpec.kind; calibrate/codec.py implements each
+ROTATIONS = ("none", "hadamard", "learned", "random")
+TURBO_KINDS = ("turbo", "turbo_prod")
 
 
 class RecipeError(ValueError):
@@ -70,6 +85,12 @@ class TensorSpec:
     sparse_fraction: float = 0.0
     centroids: int = 0
     comp_rank: int = 0
+    # format 1.1 (module docstring; recipes/FORMAT.md)
+    prq_stages: int = 0
+    prq_centroids: int = 0
+    prq_span_frames: int = 1
+    prq_kmeans_iters: int = 2
+    jensen: bool = False
 
     def bits_of(self, head: int) -> int:
         return self.head_bits[head] if self.head_bits else self.bits
@@ -134,8 +155,8 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.kind: {s.kind!r} is not one of {', '.join(map(repr, CODE_KINDS))}")
     if s.axis not in ("token", "channel"):
         raise RecipeError(f"{where}.axis: {s.axis!r} is not 'token' or 'channel'")
-    if s.rotation not in ("none", "hadamard", "learned"):
-        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not none/hadamard/learned")
+    if s.rotation not in ROTATIONS:
+        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not {'/'.join(ROTATIONS)}")
     if not 0 < s.clip <= 1:
         raise RecipeError(f"{where}.clip: {s.clip} is not in (0, 1]")
     if not 0 <= s.sparse_fraction < 1:
@@ -146,7 +167,40 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.group_size: {s.group_size} must be >= 0 (0 = head_dim)")
     if not 0 <= s.centroids <= 256:
         raise RecipeError(f"{where}.centroids: {s.centroids} not in [0, 256] (indices are stored as uint8)")
+    _check_v11_fields(s, where)
     return s
+
+
+_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2}
+
+
+def _check_v11_fields(s: TensorSpec, where: str) -> None:
+    """The fields and kinds of format 1.1: prq, turbo, turbo_prod, jensen."""
+    if s.kind != "prq":
+        for name, default in _PRQ_DEFAULTS.items():
+            if getattr(s, name) != default:
+                raise RecipeError(f"{where}.{name}: applies to kind 'prq' only (kind is {s.kind!r})")
+    if s.kind in ("prq",) + TURBO_KINDS:
+        if s.axis != "token" or s.static:
+            raise RecipeError(f"{where}: kind {s.kind!r} codes per token (axis 'token', not static)")
+    if s.kind == "prq":
+        if s.prq_stages < 0:
+            raise RecipeError(f"{where}.prq_stages: {s.prq_stages} must be >= 0")
+        if s.prq_stages and not 1 <= s.prq_centroids <= 256:
+            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} not in [1, 256] (indices are stored as uint8)")
+        if not s.prq_stages and s.prq_centroids:
+            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} needs prq_stages >= 1")
+        if s.prq_span_frames < 1:
+            raise RecipeError(f"{where}.prq_span_frames: {s.prq_span_frames} must be >= 1")
+        if s.prq_kmeans_iters < 1:
+            raise RecipeError(f"{where}.prq_kmeans_iters: {s.prq_kmeans_iters} must be >= 1")
+    if s.kind in TURBO_KINDS:
+        if s.head_bits is not None or s.bits >= 16:
+            raise RecipeError(f"{where}: kind {s.kind!r} needs one width below 16 for every head (bits < 16, no head_bits)")
+        if s.group_size:
+            raise RecipeError(f"{where}.group_size: kind {s.kind!r} codes whole head vectors (group_size 0)")
+    if s.jensen and s.kind not in ("uniform", "prq"):
+        raise RecipeError(f"{where}.jensen: needs a uniform grid step (kind 'uniform' or 'prq'), not {s.kind!r}")
 
 
 @dataclass
@@ -257,6 +311,10 @@ def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ..
     if spec.comp_rank:
         shapes["comp_down"] = (H, D, spec.comp_rank)
         shapes["comp_up"] = (H, spec.comp_rank, D)
+    if spec.kind in TURBO_KINDS:
+        shapes["lloyd_max"] = (H, 2 ** (spec.bits - (spec.kind == "turbo_prod")))
+    if spec.kind == "turbo_prod":
+        shapes["qjl"] = (H, D, D)
     return shapes
 
 
@@ -321,12 +379,36 @@ def validate(recipe: Recipe, where: str) -> None:
             oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
+            _validate_v11(recipe, i, kind, spec, where)
     for name in ("sink_frames", "recent_frames", "keyframe_interval"):
         if getattr(s.policy, name) < 0:
             raise RecipeError(f"{where}: scheme.policy.{name} must be >= 0")
     for name in ("sink_bits", "recent_bits", "keyframe_bits"):
         if getattr(s.policy, name) not in ALLOWED_BITS:
             raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
+
+
+def _validate_v11(recipe: Recipe, i: int, kind: str, spec: TensorSpec, where: str) -> None:
+    """Tensors and policy of the format 1.1 kinds and the Jensen correction of layer i's K or V."""
+    field = f"scheme.layers[{i}].{kind}"
+    for role in ("lloyd_max", "qjl"):
+        t = recipe.tensors.get(f"layers.{i}.{kind}.{role}")
+        if t is not None and (not t.is_floating_point() or not torch.isfinite(t).all()):
+            raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.{role}' must be finite float values")
+    levels = recipe.tensors.get(f"layers.{i}.{kind}.lloyd_max")
+    if levels is not None and not (levels[:, 1:] > levels[:, :-1]).all():
+        raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.lloyd_max' rows must be strictly ascending")
+    if spec.jensen and kind != "k":
+        raise RecipeError(f"{where}: {field}.jensen: the Jensen correction applies to keys only")
+    if spec.jensen and f"layers.{i}.k.logit_bias" in recipe.tensors:
+        raise RecipeError(f"{where}: {field}.jensen and tensor 'layers.{i}.k.logit_bias' both correct key noise; keep one")
+    if spec.kind in TURBO_KINDS:
+        p = recipe.scheme.policy
+        for name, used in (("sink_bits", p.sink_frames > 0), ("recent_bits", p.recent_frames > 0),
+                           ("keyframe_bits", p.keyframe_interval > 0)):
+            if used and getattr(p, name) not in (16, spec.bits):
+                raise RecipeError(f"{where}: scheme.policy.{name} is {getattr(p, name)}: kind {spec.kind!r} in "
+                                  f"{field} has levels for {spec.bits} bits only (use 16 or {spec.bits})")
 
 
 def _check_logit_bias(t: torch.Tensor, name: str, kind: str, H: int, D: int, where: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from calibrate.codec import HeadParams, decode, encode, head_params
-from calibrate.recipe import ModelInfo, TensorSpec, load_recipe, save_recipe
+from calibrate.recipe import FORMAT_VERSION, ModelInfo, TensorSpec, load_recipe, save_recipe
 from calibrate.schemes import KVSample, build_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_metadata_and_tensors_equal_calibrates_load(tmp_path, name):
     save_recipe(built, path)
     recipe = load_recipe(path, model=INFO)
     meta, tensors = reader.read_recipe(path)
-    assert meta["format"] == "kv-recipe" and meta["format_version"] == "1.0" and meta["producer"]
+    assert meta["format"] == "kv-recipe" and meta["format_version"] == FORMAT_VERSION and meta["producer"]
     assert meta["model"] == asdict(recipe.model)
     assert meta["scheme"] == asdict(recipe.scheme)
     assert meta["calibration"] == recipe.section("calibration") and meta["metrics"] == {"psnr_ref_all": 31.5}
