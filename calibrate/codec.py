@@ -206,7 +206,7 @@ def _prq_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, d
     if spec.prq_stages:
         y, ids = qvg.smooth(y, _span_centroids(p))
         if spec.prq_centroids > 1:  # with one centroid every index is 0: nothing to store
-            dyn["assign"] = ids.to(torch.uint8)
+            dyn["assign"] = qvg.pack_ids(ids.transpose(-1, -2), spec.prq_centroids)  # [B, stages, packed tokens]
     g = affine.group_view(y, spec.group_size or y.shape[-1])
     scale = qvg.residual_scale(g, p.bits)
     dyn["scale"] = scale
@@ -219,8 +219,10 @@ def _prq_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: 
     if not spec.prq_stages:
         return r
     cents = _span_centroids(p)
-    ids = dyn["assign"].long() if "assign" in dyn else torch.zeros(*r.shape[:-1], spec.prq_stages, dtype=torch.long,
-                                                                   device=r.device)
+    if "assign" in dyn:
+        ids = qvg.unpack_ids(dyn["assign"], spec.prq_centroids, r.shape[-2]).transpose(-1, -2).long()
+    else:
+        ids = torch.zeros(*r.shape[:-1], spec.prq_stages, dtype=torch.long, device=r.device)
     return qvg.unsmooth(r, cents, ids)
 
 
@@ -263,9 +265,9 @@ def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSp
 
 
 def _prq_nbytes(spec: TensorSpec, b: int, B: int, T: int, D: int) -> int:
-    """Packed codes, one FP8 scale per token and group, a uint8 index per token and stage if C > 1."""
+    """Packed codes, one FP8 scale per token and group, the stages' packed centroid indices (C > 1)."""
     n = B * T * packing.packed_nbytes(D, b) + B * T * (D // (spec.group_size or D))
-    return n + (B * T * spec.prq_stages if spec.prq_stages and spec.prq_centroids > 1 else 0)
+    return n + (B * spec.prq_stages * qvg.ids_nbytes(T, spec.prq_centroids) if spec.prq_stages else 0)
 
 
 CODE_KINDS = {

@@ -155,7 +155,7 @@ def test_codec_codes_equal_the_package_formulas(bits, block, stages, C):
     assert unpack(stored["codes"], bits, 16)[0].tolist() == codes
     assert stored["p_scale"].float()[0, ..., 0].tolist() == scales
     if stages and C > 1:
-        assert stored["p_assign"][0].tolist() == ids
+        assert qvg.unpack_ids(stored["p_assign"], C, 6)[0].T.tolist() == ids
     else:
         assert "p_assign" not in stored  # one centroid: every index is 0
     torch.testing.assert_close(decode(stored, spec, p, 16)[0], torch.tensor(rec), atol=1e-5, rtol=1e-6)
@@ -177,3 +177,19 @@ def test_encode_without_span_state_is_refused_and_fake_quant_fits_its_own():
         encode(x, spec, HeadParams(bits=2))
     p = with_span_state(HeadParams(bits=2), fit_span_state(x, spec, HeadParams(bits=2)))
     torch.testing.assert_close(fake_quant(x, spec, HeadParams(bits=2))[0], fake_quant(x, spec, p)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("C,width", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (16, 4), (17, 8), (256, 8)])
+def test_index_widths_and_packing(C, width):
+    assert qvg.index_bits(C) == width
+    if C == 1:
+        return
+    ids = torch.randint(0, C, (2, 3, 13), generator=torch.Generator().manual_seed(C), dtype=torch.uint8)
+    packed = qvg.pack_ids(ids, C)
+    assert packed.shape == (2, 3, qvg.ids_nbytes(13, C)) == (2, 3, 2 * width)
+    assert torch.equal(qvg.unpack_ids(packed, C, 13), ids)
+
+
+def test_one_bit_index_layout():
+    # element i at bit i % 8 of byte i // 8 (FORMAT.md's bit stream at width 1); rows pad with zeros
+    assert qvg.pack_ids(torch.tensor([[1, 0, 0, 1, 1, 1, 0, 0, 1]], dtype=torch.uint8), 2).tolist() == [[0x39, 0x01]]

@@ -39,7 +39,9 @@ Where this differs from the package (numerically; stated again in `schemes.py`):
 - the FP8 scale is clamped to [2^-9, 448] before rounding, as the package's simulated path
   does: its real path rounds a block max below ~2^-10 to scale 0 and divides by it (NaN);
 - codes are packed in the project's bit order (recipes/FORMAT.md), not the package's
-  first-element-in-the-high-bits order.
+  first-element-in-the-high-bits order; centroid indices are packed too, at the fewest bits
+  of {1, 2, 3, 4, 8} that hold C (`index_bits`: 1 bit for C = 2), where the package stores a
+  uint8 per token: storage only, the numerics are the same.
 
 Shapes: x [B, N, D] (B independent rows: trajectories of a batch), centroids [B, C, D].
 """
@@ -48,6 +50,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from calibrate.quant import packing
 
 FP8 = torch.float8_e4m3fn
 FP8_MIN = 2.0**-9  # smallest subnormal of E4M3: a zero block still gets a positive scale
@@ -171,3 +175,35 @@ def unsmooth(r_BND: Tensor, centroids_BSCD: Tensor, ids_BNS: Tensor) -> Tensor:
     for s in range(centroids_BSCD.shape[1]):
         out = out + gather_centroids(centroids_BSCD[:, s].float(), ids_BNS[..., s].long())
     return out
+
+
+def index_bits(num_centroids: int) -> int:
+    """Width of a stored centroid index: the fewest of 1, 2, 3, 4, 8 bits that hold C values (0 if C = 1)."""
+    if num_centroids <= 1:
+        return 0
+    return next(w for w in (1, 2, 3, 4, 8) if 2**w >= num_centroids)
+
+
+def pack_ids(ids: Tensor, num_centroids: int) -> Tensor:
+    """Indices uint8 [..., n] packed along the last axis at `index_bits(C)` bits (the bit stream
+    of recipes/FORMAT.md; 1 bit: element i at bit i % 8 of byte i // 8) -> [..., ceil(n/8) w]."""
+    w = index_bits(num_centroids)
+    ids = ids.to(torch.uint8)
+    if w != 1:
+        return packing.pack(ids, w)
+    ids = torch.nn.functional.pad(ids, (0, -ids.shape[-1] % 8)).reshape(*ids.shape[:-1], -1, 8)
+    return (ids << torch.arange(8, dtype=torch.uint8, device=ids.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_ids(packed: Tensor, num_centroids: int, n: int) -> Tensor:
+    """Inverse of `pack_ids`: uint8 [..., n]."""
+    w = index_bits(num_centroids)
+    if w != 1:
+        return packing.unpack(packed, w, n)
+    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+    return bits.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def ids_nbytes(num_tokens: int, num_centroids: int) -> int:
+    """Bytes of one packed row of `num_tokens` indices: ceil(n / 8) * index_bits(C)."""
+    return -(-num_tokens // 8) * index_bits(num_centroids)
