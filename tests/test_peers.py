@@ -96,3 +96,50 @@ def test_cli_calibrate_then_check(tmp_path):
                           f"hydra.run.dir={tmp_path / 'check'}"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert chk.returncode == 0, chk.stderr[-2000:]
     assert json.loads((tmp_path / "check" / "check.json").read_text())["passed"]
+
+
+def _toy_peer_recipes():
+    """Toy recipes (tests/toys.py sizes) of the new kinds under several token policies."""
+    from toys import D, H, INFO
+
+    from calibrate.quant import rotation, turbo
+    from calibrate.recipe import Recipe, TensorSpec, TokenPolicy, uniform_scheme, validate
+
+    def rec(k, v, pol, tensors=None):
+        r = Recipe(INFO, uniform_scheme("toy", INFO.num_layers, k, v, pol), tensors or {})
+        validate(r, "toy")
+        return r
+
+    prq = TensorSpec(bits=2, kind="prq", group_size=8, prq_stages=2, prq_centroids=3, prq_span_frames=3)
+    tq = {}
+    for i in range(INFO.num_layers):
+        for kind in "kv":
+            tq[f"layers.{i}.{kind}.rotation"] = torch.stack([rotation.random_orthogonal(D, 10 * i + h) for h in range(H)])
+        tq[f"layers.{i}.k.lloyd_max"] = turbo.beta_lloyd_max(D, 1).expand(H, -1).clone()
+        tq[f"layers.{i}.k.qjl"] = torch.stack([turbo.qjl_matrix(D, D, h) for h in range(H)])
+        tq[f"layers.{i}.v.lloyd_max"] = turbo.beta_lloyd_max(D, 2).expand(H, -1).clone()
+    return {
+        "prq_recent_sink16": rec(prq, prq, TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1)),
+        "prq_keyframes": rec(prq, replace(prq, prq_centroids=1, prq_span_frames=2),
+                             TokenPolicy(sink_frames=0, keyframe_interval=4, keyframe_bits=4)),
+        "prq_head_bits": rec(replace(prq, head_bits=[2, 16]), TensorSpec(bits=3, kind="prq"), TokenPolicy(sink_frames=0)),
+        "turbo": rec(TensorSpec(bits=2, kind="turbo_prod", rotation="random"), TensorSpec(bits=2, kind="turbo", rotation="random"),
+                     TokenPolicy(sink_frames=1, sink_bits=16), tq),
+        "jensen": rec(TensorSpec(bits=2, axis="channel", jensen=True), TensorSpec(bits=2), TokenPolicy(sink_frames=0, recent_frames=2)),
+    }
+
+
+@pytest.mark.parametrize("window,sink", [(3, 1), (4, 0), (2, 2)])
+def test_new_kinds_measured_bytes_equal_predicted(window, sink):
+    from toys import B, INFO, kv_frames
+
+    from calibrate.cache import kept_frames
+    from calibrate.runtime import QuantizedKVCache
+
+    for name, recipe in _toy_peer_recipes().items():
+        cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+        for n, (q, k, v, rope) in enumerate(kv_frames(10), start=1):
+            for layer in range(INFO.num_layers):
+                assert torch.isfinite(cache.attend(layer, q, k, v, rope)).all()
+                assert cache.frame_indices(layer) == kept_frames(n, window, sink)
+            assert cache.nbytes() == cache.predicted_nbytes(n, batch=B), (name, n)
