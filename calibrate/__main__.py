@@ -35,6 +35,8 @@ def run(cfg: DictConfig) -> dict:
     from calibrate.io import write_text_atomic
 
     config = to_config(cfg)
+    if config.quant.preset != "ours" and "fit.budget_bits" in _command_line_keys():
+        config.quant.budget_bits = config.fit.budget_bits  # a budget requested for a preset: it must meet it
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(".")
     out_dir.mkdir(parents=True, exist_ok=True)
     task = getattr(pipeline, f"run_{config.task}", None)
@@ -46,6 +48,13 @@ def run(cfg: DictConfig) -> dict:
     if config.task == "check" and not result.get("passed", False):
         raise CheckFailed(result.get("summary", "check failed"))
     return result
+
+
+def _command_line_keys() -> set[str]:
+    """Keys set by command-line overrides (`key=value`, `+key=value`), as Hydra recorded them."""
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -31,12 +31,12 @@ back, add the centroid, rotate back with R^T.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from calibrate.quant import affine, codebook, packing
+from calibrate.quant import affine, codebook, packing, qvg, turbo
 from calibrate.recipe import TensorSpec
 
 FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
@@ -57,6 +57,9 @@ class HeadParams:
     centroids_CD: Tensor | None = None
     comp_down_DR: Tensor | None = None
     comp_up_RD: Tensor | None = None
+    lloyd_max_L: Tensor | None = None  # kinds turbo/turbo_prod: role `lloyd_max`
+    qjl_MD: Tensor | None = None  # kind turbo_prod: role `qjl`
+    span_centroids_BSCD: Tensor | None = None  # kind prq: the span's state (not a role: `with_span_state`)
 
 
 def head_params(spec: TensorSpec, tensors: Mapping[str, Tensor], head: int, bits: int | None = None) -> HeadParams:
@@ -89,6 +92,8 @@ def head_params(spec: TensorSpec, tensors: Mapping[str, Tensor], head: int, bits
         # (sink, recent, key frames) are decoded without it
         comp_down_DR=t("comp_down") if b == native else None,
         comp_up_RD=t("comp_up") if b == native else None,
+        lloyd_max_L=t("lloyd_max"),
+        qjl_MD=t("qjl"),
     )
 
 
@@ -194,11 +199,87 @@ def _packed_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int, params_p
     return n
 
 
+# ---- format 1.1 kinds: Quant VideoGen's PRQ (quant/qvg.py) and TurboQuant (quant/turbo.py) ----
+def _prq_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """Take each stage's nearest span centroid off, then the symmetric residual with FP8 scales."""
+    dyn: dict[str, Tensor] = {}
+    if spec.prq_stages:
+        y, ids = qvg.smooth(y, _span_centroids(p))
+        if spec.prq_centroids > 1:  # with one centroid every index is 0: nothing to store
+            dyn["assign"] = qvg.pack_ids(ids.transpose(-1, -2), spec.prq_centroids)  # [B, stages, packed tokens]
+    g = affine.group_view(y, spec.group_size or y.shape[-1])
+    scale = qvg.residual_scale(g, p.bits)
+    dyn["scale"] = scale
+    return affine.ungroup(qvg.residual_codes(g, scale, p.bits)), dyn
+
+
+def _prq_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+    g = affine.group_view(codes, spec.group_size or codes.shape[-1])
+    r = affine.ungroup(qvg.residual_values(g, dyn["scale"], p.bits))
+    if not spec.prq_stages:
+        return r
+    cents = _span_centroids(p)
+    if "assign" in dyn:
+        ids = qvg.unpack_ids(dyn["assign"], spec.prq_centroids, r.shape[-2]).transpose(-1, -2).long()
+    else:
+        ids = torch.zeros(*r.shape[:-1], spec.prq_stages, dtype=torch.long, device=r.device)
+    return qvg.unsmooth(r, cents, ids)
+
+
+def _span_centroids(p: HeadParams) -> Tensor:
+    if p.span_centroids_BSCD is None:
+        raise ValueError("kind 'prq' codes a frame against its span's centroids: fit them with codec.fit_span_state "
+                         "and pass them with codec.with_span_state")
+    return p.span_centroids_BSCD
+
+
+def _fp16_norm(y: Tensor) -> Tensor:
+    """|y| per token [..., 1], stored as float16 (kept >= its smallest subnormal so u = y / n is finite)."""
+    return y.norm(dim=-1, keepdim=True).clamp(FP_EPS, 65504.0).to(FP)
+
+
+def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+    norm = _fp16_norm(y)
+    return turbo.mse_codes(y / norm.float(), p.lloyd_max_L), {"norm": norm}
+
+
+def _turbo_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+    return codebook.decode(codes, p.lloyd_max_L) * dyn["norm"].float()
+
+
+def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """code = mse index + 2^(b-1) * [S r >= 0]: b-1 bits of TQ_mse and the QJL sign in the top bit."""
+    norm = _fp16_norm(y)
+    u = y / norm.float()
+    idx = turbo.mse_codes(u, p.lloyd_max_L)
+    r = u - codebook.decode(idx, p.lloyd_max_L)
+    gamma = r.norm(dim=-1, keepdim=True).clamp(max=65504.0).to(FP)
+    signs = turbo.qjl_signs(r, p.qjl_MD)
+    return idx + (signs << (p.bits - 1)), {"norm": norm, "gamma": gamma}
+
+
+def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+    top = p.bits - 1
+    u = codebook.decode(codes & ((1 << top) - 1), p.lloyd_max_L) + turbo.qjl_values(codes >> top, dyn["gamma"], p.qjl_MD)
+    return u * dyn["norm"].float()
+
+
+def _prq_nbytes(spec: TensorSpec, b: int, B: int, T: int, D: int) -> int:
+    """Packed codes, one FP8 scale per token and group, the stages' packed centroid indices (C > 1)."""
+    n = B * T * packing.packed_nbytes(D, b) + B * T * (D // (spec.group_size or D))
+    return n + (B * spec.prq_stages * qvg.ids_nbytes(T, spec.prq_centroids) if spec.prq_stages else 0)
+
+
 CODE_KINDS = {
     "uniform": CodeKind(_uniform_quantize, _uniform_dequantize,  # scale, and a zero point unless symmetric
                         lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1 if spec.symmetric else 2)),
     "codebook": CodeKind(_codebook_quantize, _codebook_dequantize,  # scale only (levels are symmetric)
                          lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1)),
+    "prq": CodeKind(_prq_quantize, _prq_dequantize, _prq_nbytes),
+    "turbo": CodeKind(_turbo_quantize, _turbo_dequantize,  # float16 norm per token
+                      lambda spec, b, B, T, D: B * T * (packing.packed_nbytes(D, b) + 2)),
+    "turbo_prod": CodeKind(_turbo_prod_quantize, _turbo_prod_dequantize,  # float16 norm and residual norm per token
+                           lambda spec, b, B, T, D: B * T * (packing.packed_nbytes(D, b) + 4)),
 }
 
 
@@ -284,6 +365,8 @@ def fake_quant(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, 
     """Reference path (no packing): (dequantized x, unpacked codes or None at 16 bits)."""
     if p.bits >= 16:
         return x_BTD.to(FP).float(), None
+    if span_of(spec, 0) is not None and p.span_centroids_BSCD is None:  # a frame on its own is its span
+        p = with_span_state(p, fit_span_state(x_BTD, spec, p))
     y, side = _prepare(x_BTD, spec, p)
     codes, dyn = _quantize(y, spec, p)
     return _finish(_dequantize(codes, dyn, spec, p), side, p), codes
@@ -324,3 +407,56 @@ def frame_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int) -> int:
         k = max(1, round(spec.sparse_fraction * T * D))
         n += B * k * ((2 if T * D < 2**15 else 4) + 2)
     return n
+
+
+# ---- span state: dynamic parameters the frames of a span share (kind "prq": its centroids) ----
+# A span is `prq_span_frames` consecutive frames (span of frame f = f // prq_span_frames). The first
+# frame of a span the runtime encodes below 16 bits fits the state on its own values (y after steps
+# 1-4); the span's later frames are coded against it; the runtime holds it while a kept frame of
+# the span is held below 16 bits (memory.span_state_bytes counts it).
+def span_of(spec: TensorSpec, index: int) -> int | None:
+    """The span of frame `index`, or None when the spec's kind keeps no span state."""
+    if spec.kind == "prq" and spec.prq_stages > 0:
+        return index // spec.prq_span_frames
+    return None
+
+
+def fit_span_state(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> Tensor:
+    """The span's centroids [B, stages, C, D] (float16), fitted on one frame x (quant/qvg.py)."""
+    y, _ = _prepare(x_BTD, spec, p)
+    return qvg.fit_centroids(y, spec.prq_stages, spec.prq_centroids, spec.prq_kmeans_iters)
+
+
+def with_span_state(p: HeadParams, state: Tensor) -> HeadParams:
+    return replace(p, span_centroids_BSCD=state)
+
+
+def span_state_nbytes(spec: TensorSpec, B: int, D: int) -> int:
+    """Bytes of one span's state for one head: float16 centroids [B, stages, C, D]."""
+    return B * spec.prq_stages * spec.prq_centroids * D * 2 if span_of(spec, 0) is not None else 0
+
+
+# ---- key steps: what the Jensen-bias correction reads from a stored frame (quant/jensen.py) ----
+def key_steps(stored: dict[str, Tensor], spec: TensorSpec, p: HeadParams, T: int, D: int) -> Tensor:
+    """Grid step [B, T, D] of every stored element in the code basis (after the rotation): the
+    scale of its uniform group (kind "uniform": dynamic per token/group or per channel, or the
+    static per-channel scale; kind "prq": the FP8 residual scale); 0 where a value is exact
+    (a float16 frame, outlier channels, sparse entries)."""
+    if "fp16" in stored:
+        return torch.zeros_like(stored["fp16"], dtype=torch.float32)
+    B = stored["codes"].shape[0]
+    if spec.kind not in ("uniform", "prq"):
+        raise ValueError(f"kind {spec.kind!r} has no uniform step (the Jensen correction needs kind uniform or prq)")
+    if spec.axis == "channel" and spec.static:
+        step = p.scale_D.float().expand(B, T, D)
+    elif spec.axis == "channel":
+        step = stored["p_scale"].float().expand(B, T, D)
+    else:
+        G = spec.group_size or D
+        step = stored["p_scale"].float().reshape(B, T, D // G, 1).expand(B, T, D // G, G).reshape(B, T, D)
+    step = step.clone()
+    if "outliers" in stored:
+        step[..., p.outlier_channels_n] = 0.0
+    if "sparse_idx" in stored:
+        step = step.reshape(B, T * D).scatter(-1, stored["sparse_idx"].long(), 0.0).reshape(B, T, D)
+    return step

@@ -98,6 +98,7 @@ class TrajectoriesConfig:
 @dataclass
 class QuantConfig:
     preset: str = "ours"  # a baseline name (fp16, naive2, kivi2, ...) or "ours" (fitted)
+    budget_bits: float | None = None  # a preset must fit in this (bits/element); set by fit.budget_bits given with a preset
 
 
 @dataclass

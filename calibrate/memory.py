@@ -12,15 +12,20 @@ Precision of frame `index` of one head (the token policy, `recipe.TokenPolicy`):
 spec's bits for the head. Which frames are held at all is the cache's window and sink policy
 (`cache.kept_frames`).
 
+Span state (kind "prq", codec.span_of): a head holds one state per span that has a kept frame
+held below 16 bits (`span_state_bytes`), on top of the frames' own bytes.
+
 Steady state: a budget or a bytes-per-frame figure is taken `STEADY_STATE_MARGIN` frames after
 the window first fills, where every class of the policy is present and the window slides.
 """
 
 from __future__ import annotations
 
+import math
+
 from calibrate import chain
 from calibrate.cache import kept_frames
-from calibrate.codec import frame_nbytes
+from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
 from calibrate.recipe import ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 
 KINDS = ("k", "v")
@@ -72,6 +77,31 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
                     recent = pol.recent_frames and f >= num_appended - pol.recent_frames
                     bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
                     total += frame_nbytes(spec, bits, batch, T, D)
+    return total + span_state_bytes(model, scheme, num_appended, window, sink_frames, batch)
+
+
+def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_appended: int) -> int:
+    """Bits frame `index` of one head is held at after `num_appended` appends (recent window or
+    its final class): the rule `predicted_cache_bytes` applies to every kept frame."""
+    if policy.recent_frames and index >= num_appended - policy.recent_frames:
+        return policy.recent_bits
+    return final_bits(policy, spec, head, index)
+
+
+def span_state_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
+                     batch: int = 1) -> int:
+    """Bytes of the span states a cache holds: per layer, K/V and head, one state per span with a
+    kept frame held below 16 bits (codec.span_state_nbytes; 0 for kinds without span state)."""
+    total = 0
+    kept = kept_frames(num_appended, window, sink_frames)
+    for pair in scheme.layers:
+        for kind in KINDS:
+            spec: TensorSpec = getattr(pair, kind)
+            if span_of(spec, 0) is None:
+                continue
+            for h in range(model.num_kv_heads):
+                spans = {span_of(spec, f) for f in kept if held_bits(scheme.policy, spec, h, f, num_appended) < 16}
+                total += len(spans) * span_state_nbytes(spec, batch, model.head_dim)
     return total
 
 
@@ -85,11 +115,17 @@ def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames:
     """Average stored bits per cached K/V element at steady state (every per-frame byte counted).
 
     With key frames the kept window holds more or fewer of them as it slides; the figure is the
-    largest over one key-frame interval, so the cache never holds more than the budget.
+    largest over one key-frame interval, so the cache never holds more than the budget. Span
+    states (kind "prq") vary with the phase of the spans likewise: the largest over the least
+    common multiple of the interval and every span length.
     """
     n0 = steady_state_frames(window, sink_frames)
     fp16 = fp16_cache_bytes(model, n0, window, sink_frames)
     phases = max(scheme.policy.keyframe_interval, 1)
+    for pair in scheme.layers:
+        for spec in (pair.k, pair.v):
+            if span_of(spec, 0) is not None:
+                phases = math.lcm(phases, spec.prq_span_frames)
     return max(16.0 * predicted_cache_bytes(model, scheme, n, window, sink_frames) / fp16
                for n in range(n0, n0 + phases))
 

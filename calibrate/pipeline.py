@@ -32,10 +32,10 @@ from calibrate.fit.predictive_search import fit_predictive, rescaled
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.fit.select import choose, closed_loop_scores, record_choice
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
-from calibrate.memory import memory_section
+from calibrate.memory import bits_per_element, memory_section
 from calibrate.recipe import Recipe, load_recipe, save_recipe
 from calibrate.replay import Recorder, record
-from calibrate.schemes import BASELINES, KVSample, build_baseline
+from calibrate.schemes import BASELINES, CALIBRATED, KVSample, build_baseline, preset_scheme
 from calibrate.stats_report import plot_report, report
 from calibrate.types import Trajectory
 from calibrate.world.model import TinyWorld
@@ -185,7 +185,7 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
     recipes: dict[str, Recipe] = {}
     for name in names:
         if name in BASELINES:
-            if name in ("kvquant2", "qvg2") and sample is None:
+            if name in CALIBRATED and sample is None:
                 sample = calibration_sample(cfg, model, device)
             recipes[name] = build_baseline(name, info, sample)
         elif name == "ours":
@@ -337,9 +337,28 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     return recipe, record
 
 
+def check_preset_budget(cfg: Config, info) -> None:
+    """A preset run with a budget (`quant.budget_bits`, set by `fit.budget_bits` on the command
+    line) must fit in it at steady state; else a ValueError naming the preset, its bits and the
+    presets that do fit."""
+    budget = cfg.quant.budget_bits
+    if budget is None or cfg.quant.preset == "ours":
+        return
+    window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
+    bits = {name: bits_per_element(info, preset_scheme(name, info), window, sink) for name in BASELINES}
+    name = cfg.quant.preset
+    if name not in bits:
+        build_baseline(name, info)  # raises: unknown preset, listing the known ones
+    if bits[name] > budget + 1e-9:
+        fits = ", ".join(f"{n} ({b:.2f})" for n, b in bits.items() if b <= budget + 1e-9) or "none"
+        raise ValueError(f"preset '{name}' needs {bits[name]:.3f} bits/element at steady state (window {window} + "
+                         f"{sink} sink), above the requested budget fit.budget_bits={budget}; presets within it: {fits}")
+
+
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
+    check_preset_budget(cfg, as_world(model).info)
     if cfg.quant.preset != "ours":
         recipe = resolve_schemes(cfg, [cfg.quant.preset], model, device)[cfg.quant.preset]
     else:

@@ -22,7 +22,9 @@ The scheme (JSON) says, per layer and for K and V separately, a `TensorSpec`:
                     nearest centroid per token and quantizes the residual
     comp_rank       low-rank residual compensator: roles `comp_down` [H, D, r], `comp_up` [H, r, D]
 
-Format 1.1 adds (each omitted from the JSON at its default, so older recipes read as before):
+Format 1.1 adds (fields omitted from the JSON at their default, so recipes without a 1.1
+feature read in a 1.0 loader; everything else a 1.0 loader rejects with a clear error, never
+misreads):
 
     kind "predictive"   a code across frames (quant/predictive.py, chain.py): roles in
                         predictive_roles.py; `token_bits` / `anchor_token_bits` [H] say how many
@@ -31,6 +33,16 @@ Format 1.1 adds (each omitted from the JSON at its default, so older recipes rea
     rotary_coords   keys only: > 0 = keys are stored *before* the model's rotary encoding,
                     with this many rotary coordinates per frame (the runtime re-applies the
                     frame's rotation when it reads them); 0 = stored post-rotary
+    kind "prq"      Quant VideoGen: `prq_stages` k-means stages of `prq_centroids` centroids,
+                    fitted at run time on the first frame of each span of `prq_span_frames`
+                    frames (`prq_kmeans_iters` iterations) and shared by the span; then a
+                    symmetric b-bit residual with an FP8 scale per token and group (quant/qvg.py)
+    kind "turbo"    TurboQuant MSE: L2 norm per token, Lloyd-Max levels (role `lloyd_max`)
+    kind "turbo_prod"  TurboQuant inner product: b-1 bit "turbo" codes + 1-bit QJL sketch of the
+                    residual (role `qjl` [H, D, D]) (quant/turbo.py)
+    rotation "random"  a Haar-random orthogonal rotation (role `rotation`)
+    jensen          keys only: subtract the Jensen-bias correction computed from each stored
+                    key's own step sizes (quant/jensen.py)
 
 Keys only, optional: role `logit_bias` [H, D] (>= 0), the key-noise logit correction (per-channel
 key-error variance in the code basis, times the fitted strength; quant/logit_noise.py).
@@ -53,13 +65,16 @@ from calibrate.io import check_format, read_safetensors, safetensors_bytes, writ
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.1"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random" (FORMAT.md)
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
-               "comp_down", "comp_up", "logit_bias") + predictive_roles.ROLES[1:]
+               "comp_down", "comp_up", "logit_bias", "lloyd_max", "qjl") + predictive_roles.ROLES[1:]
 ALLOWED_BITS = (2, 3, 4, 8, 16)
-CODE_KINDS = ("uniform", "codebook", "predictive")  # TensorSpec.kind; codec.py / chain.py implement them
+# TensorSpec.kind: codec.py implements the per-frame kinds, chain.py the predictive one
+CODE_KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")
+ROTATIONS = ("none", "hadamard", "learned", "random")
+TURBO_KINDS = ("turbo", "turbo_prod")
 
 
 class RecipeError(ValueError):
@@ -81,16 +96,23 @@ class TensorSpec:
     sparse_fraction: float = 0.0
     centroids: int = 0
     comp_rank: int = 0
-    rotary_coords: int = 0  # keys: stored pre-rotary with this many coordinates per frame (format 1.1)
-    token_bits: list[int] | None = None  # predictive: code bits per token of each head (format 1.1)
-    anchor_token_bits: list[int] | None = None  # predictive: anchor bits per token of each head (format 1.1)
+    # format 1.1 (module docstring; recipes/FORMAT.md): written only when not at their default
+    rotary_coords: int = 0  # keys: stored pre-rotary with this many coordinates per frame
+    token_bits: list[int] | None = None  # predictive: code bits per token of each head
+    anchor_token_bits: list[int] | None = None  # predictive: anchor bits per token of each head
     temporal: bool = True  # predictive: tokens may be coded against the previous frame (false: every token intra)
+    prq_stages: int = 0
+    prq_centroids: int = 0
+    prq_span_frames: int = 1
+    prq_kmeans_iters: int = 2
+    jensen: bool = False
 
     def bits_of(self, head: int) -> int:
         return self.head_bits[head] if self.head_bits else self.bits
 
 
-V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "temporal": True}
+V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "temporal": True,
+                 "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "jensen": False}
 
 
 @dataclass
@@ -158,8 +180,8 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.kind: {s.kind!r} is not one of {', '.join(map(repr, CODE_KINDS))}")
     if s.axis not in ("token", "channel"):
         raise RecipeError(f"{where}.axis: {s.axis!r} is not 'token' or 'channel'")
-    if s.rotation not in ("none", "hadamard", "learned"):
-        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not none/hadamard/learned")
+    if s.rotation not in ROTATIONS:
+        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not {'/'.join(ROTATIONS)}")
     if not 0 < s.clip <= 1:
         raise RecipeError(f"{where}.clip: {s.clip} is not in (0, 1]")
     if not 0 <= s.sparse_fraction < 1:
@@ -170,6 +192,7 @@ def _spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.group_size: {s.group_size} must be >= 0 (0 = head_dim)")
     if not 0 <= s.centroids <= 256:
         raise RecipeError(f"{where}.centroids: {s.centroids} not in [0, 256] (indices are stored as uint8)")
+    _check_v11_fields(s, where)
     if not isinstance(s.rotary_coords, int) or isinstance(s.rotary_coords, bool) or s.rotary_coords < 0:
         raise RecipeError(f"{where}.rotary_coords: {s.rotary_coords!r} must be an integer >= 0")
     if s.kind == "predictive":
@@ -185,6 +208,38 @@ def _spec(d: dict, where: str) -> TensorSpec:
     elif s.token_bits is not None or s.anchor_token_bits is not None or s.temporal is not True:
         raise RecipeError(f"{where}: token_bits, anchor_token_bits and temporal belong to kind 'predictive'")
     return s
+
+
+_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2}
+
+
+def _check_v11_fields(s: TensorSpec, where: str) -> None:
+    """The fields and kinds of format 1.1: prq, turbo, turbo_prod, jensen."""
+    if s.kind != "prq":
+        for name, default in _PRQ_DEFAULTS.items():
+            if getattr(s, name) != default:
+                raise RecipeError(f"{where}.{name}: applies to kind 'prq' only (kind is {s.kind!r})")
+    if s.kind in ("prq",) + TURBO_KINDS:
+        if s.axis != "token" or s.static:
+            raise RecipeError(f"{where}: kind {s.kind!r} codes per token (axis 'token', not static)")
+    if s.kind == "prq":
+        if s.prq_stages < 0:
+            raise RecipeError(f"{where}.prq_stages: {s.prq_stages} must be >= 0")
+        if s.prq_stages and not 1 <= s.prq_centroids <= 256:
+            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} not in [1, 256] (indices are stored as uint8)")
+        if not s.prq_stages and s.prq_centroids:
+            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} needs prq_stages >= 1")
+        if s.prq_span_frames < 1:
+            raise RecipeError(f"{where}.prq_span_frames: {s.prq_span_frames} must be >= 1")
+        if s.prq_kmeans_iters < 1:
+            raise RecipeError(f"{where}.prq_kmeans_iters: {s.prq_kmeans_iters} must be >= 1")
+    if s.kind in TURBO_KINDS:
+        if s.head_bits is not None or s.bits >= 16:
+            raise RecipeError(f"{where}: kind {s.kind!r} needs one width below 16 for every head (bits < 16, no head_bits)")
+        if s.group_size:
+            raise RecipeError(f"{where}.group_size: kind {s.kind!r} codes whole head vectors (group_size 0)")
+    if s.jensen and s.kind not in ("uniform", "prq"):
+        raise RecipeError(f"{where}.jensen: needs a uniform grid step (kind 'uniform' or 'prq'), not {s.kind!r}")
 
 
 @dataclass
@@ -297,6 +352,10 @@ def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ..
     if spec.comp_rank:
         shapes["comp_down"] = (H, D, spec.comp_rank)
         shapes["comp_up"] = (H, spec.comp_rank, D)
+    if spec.kind in TURBO_KINDS:
+        shapes["lloyd_max"] = (H, 2 ** (spec.bits - (spec.kind == "turbo_prod")))
+    if spec.kind == "turbo_prod":
+        shapes["qjl"] = (H, D, D)
     return shapes
 
 
@@ -365,6 +424,7 @@ def validate(recipe: Recipe, where: str) -> None:
             oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
+            _validate_v11(recipe, i, kind, spec, where)
     for name in ("sink_frames", "recent_frames", "keyframe_interval"):
         if getattr(s.policy, name) < 0:
             raise RecipeError(f"{where}: scheme.policy.{name} must be >= 0")
@@ -386,6 +446,29 @@ def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: in
         predictive_roles.check(recipe.layer_tensors(i, kind), spec.token_bits, spec.anchor_token_bits, f"layers.{i}.{kind}")
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
+
+
+def _validate_v11(recipe: Recipe, i: int, kind: str, spec: TensorSpec, where: str) -> None:
+    """Tensors and policy of the format 1.1 kinds and the Jensen correction of layer i's K or V."""
+    field = f"scheme.layers[{i}].{kind}"
+    for role in ("lloyd_max", "qjl"):
+        t = recipe.tensors.get(f"layers.{i}.{kind}.{role}")
+        if t is not None and (not t.is_floating_point() or not torch.isfinite(t).all()):
+            raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.{role}' must be finite float values")
+    levels = recipe.tensors.get(f"layers.{i}.{kind}.lloyd_max")
+    if levels is not None and not (levels[:, 1:] > levels[:, :-1]).all():
+        raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.lloyd_max' rows must be strictly ascending")
+    if spec.jensen and kind != "k":
+        raise RecipeError(f"{where}: {field}.jensen: the Jensen correction applies to keys only")
+    if spec.jensen and f"layers.{i}.k.logit_bias" in recipe.tensors:
+        raise RecipeError(f"{where}: {field}.jensen and tensor 'layers.{i}.k.logit_bias' both correct key noise; keep one")
+    if spec.kind in TURBO_KINDS:
+        p = recipe.scheme.policy
+        for name, used in (("sink_bits", p.sink_frames > 0), ("recent_bits", p.recent_frames > 0),
+                           ("keyframe_bits", p.keyframe_interval > 0)):
+            if used and getattr(p, name) not in (16, spec.bits):
+                raise RecipeError(f"{where}: scheme.policy.{name} is {getattr(p, name)}: kind {spec.kind!r} in "
+                                  f"{field} has levels for {spec.bits} bits only (use 16 or {spec.bits})")
 
 
 def _check_logit_bias(t: torch.Tensor, name: str, kind: str, H: int, D: int, where: str) -> None:

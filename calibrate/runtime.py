@@ -37,6 +37,14 @@ first one is intra-coded). Keys of a spec with `rotary_coords > 0` are stored be
 rotary encoding, with their frame's rotary coordinates (float32 [B, P], counted in the bytes);
 reading them re-applies `Rope.at(coords)`.
 
+Span state (kind "prq", codec.span_of): the first frame of a span encoded below 16 bits fits
+the span's centroids, which the span's later frames are coded against; the cache holds them
+(per layer, K/V and head) while a kept frame of the span is held below 16 bits.
+
+Jensen-bias correction (`jensen` on a layer's K spec, quant/jensen.py): the logits of every
+history key are lowered by sum_d (q R)_d^2 Delta_d^2 / (24 D), Delta the key's own grid steps
+read from its stored frame (0 for float16 frames and the fresh frame).
+
 `nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` asks the memory
 model (memory.py) for the same from the recipe alone, and the two agree at steady state. This
 module imports only the seam, the recipe format, the codec and the memory model: a runtime can
@@ -51,8 +59,10 @@ from torch import Tensor
 from calibrate import predictive_roles
 from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.chain import ChainCodec
-from calibrate.codec import FP, HeadParams, decode, encode, head_params, stored_nbytes
+from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of,
+                             stored_nbytes, with_span_state)
 from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
+from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
 
@@ -80,6 +90,8 @@ class QuantizedKVCache(KVCache):
         self._rope_at = None  # the model's Rope.at, for keys stored before the rotation
         # chain states `append` decoded, handed to the `read` of the same step (never kept longer)
         self._step_states: dict[int, dict[str, States]] = {}
+        # per layer: (kind, head, span) -> the span's state (codec.fit_span_state)
+        self._span_states: list[dict[tuple[str, int, int], Tensor]] = [{} for _ in range(recipe.model.num_layers)]
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
@@ -99,15 +111,40 @@ class QuantizedKVCache(KVCache):
             self._params[key] = head_params(self.spec(layer, kind), tensors, head, bits)
         return self._params[key]
 
-    # ---- storage -----------------------------------------------------------------------------
-    def _encode(self, layer: int, x_BHTD: Tensor, kind: str, bits_of_head) -> list[dict[str, Tensor]]:
-        spec = self.spec(layer, kind)
-        return [encode(x_BHTD[:, h], spec, self.params(layer, kind, h, bits_of_head(h))) for h in range(self.num_heads)]
+    def frame_params(self, layer: int, kind: str, head: int, bits: int, index: int, x_BTD: Tensor | None = None) -> HeadParams:
+        """`params`, plus the state of frame `index`'s span for kinds that keep one (fitted on
+        `x_BTD` when the span has none yet: the first frame of the span stored below 16 bits)."""
+        p = self.params(layer, kind, head, bits)
+        span = span_of(self.spec(layer, kind), index)
+        if span is None or bits >= 16:
+            return p
+        key = (kind, head, span)
+        if key not in self._span_states[layer]:
+            if x_BTD is None:
+                raise RuntimeError(f"layer {layer} {kind} head {head}: frame {index} is held without its span's state")
+            self._span_states[layer][key] = fit_span_state(x_BTD, self.spec(layer, kind), p)
+        return with_span_state(p, self._span_states[layer][key])
 
-    def _decode(self, layer: int, kind: str, heads: list[dict[str, Tensor]], bits_of_head) -> Tensor:
+    def _release_spans(self, layer: int) -> None:
+        """Drop the span states that no kept frame held below 16 bits uses any more."""
+        if not self._span_states[layer]:
+            return
+        live = {(kind, h, span_of(self.spec(layer, kind), f)) for f in self._frames[layer] for kind in KINDS
+                for h in range(self.num_heads) if self.stored_bits(layer, kind, h, f) < 16}
+        for key in [k for k in self._span_states[layer] if k not in live]:
+            del self._span_states[layer][key]
+
+    # ---- storage -----------------------------------------------------------------------------
+    def _encode(self, layer: int, x_BHTD: Tensor, kind: str, bits_of_head, index: int = 0) -> list[dict[str, Tensor]]:
+        spec = self.spec(layer, kind)
+        return [encode(x_BHTD[:, h], spec, self.frame_params(layer, kind, h, bits_of_head(h), index, x_BHTD[:, h]))
+                for h in range(self.num_heads)]
+
+    def _decode(self, layer: int, kind: str, heads: list[dict[str, Tensor]], bits_of_head, index: int = 0) -> Tensor:
         spec = self.spec(layer, kind)
         return torch.stack(
-            [decode(s, spec, self.params(layer, kind, h, bits_of_head(h)), self.head_dim) for h, s in enumerate(heads)],
+            [decode(s, spec, self.frame_params(layer, kind, h, bits_of_head(h), index), self.head_dim)
+             for h, s in enumerate(heads)],
             dim=1,
         )
 
@@ -122,7 +159,7 @@ class QuantizedKVCache(KVCache):
         against the states of frame index - 1 (if held) and records its own states."""
         chain = self._chains.get((layer, kind))
         if chain is None:
-            return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index))
+            return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index), index)
         prev = states.get(index - 1)
         coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h]) for h, c in enumerate(chain)]
         states[index] = [v for _, v in coded]
@@ -159,8 +196,8 @@ class QuantizedKVCache(KVCache):
         k_in, extra = self._key_input(layer, k_BHTD, key_rope)
         states = {kind: self._chain_states(layer, kind) for kind in KINDS if (layer, kind) in self._chains}
         if R > 0:
-            held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits)
-                                                         for kind, x in zip(KINDS, (k_in, v_BHTD))}}
+            held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits,
+                                                                          index) for kind, x in zip(KINDS, (k_in, v_BHTD))}}
         else:
             held[index] = {"bits": "final", **extra, **{kind: self._encode_final(layer, kind, index, x, states.get(kind, {}))
                                                         for kind, x in zip(KINDS, (k_in, v_BHTD))}}
@@ -168,7 +205,7 @@ class QuantizedKVCache(KVCache):
         leaving = index - R
         if R > 0 and leaving in held:  # leaves the recent window: re-encoded at its final precision
             record = held[leaving]
-            raw = {kind: self._decode(layer, kind, record[kind], lambda h: self.policy.recent_bits) for kind in KINDS}
+            raw = {kind: self._decode(layer, kind, record[kind], lambda h: self.policy.recent_bits, leaving) for kind in KINDS}
             record.update(bits="final", **{kind: self._encode_final(layer, kind, leaving, raw[kind], states.get(kind, {}))
                                            for kind in KINDS})
         keep = set(kept_frames(index + 1, self.window, self.sink_frames))
@@ -184,6 +221,7 @@ class QuantizedKVCache(KVCache):
             for kind_states in states.values():
                 kind_states.pop(old, None)
         self._step_states[layer] = states
+        self._release_spans(layer)
         return index
 
     def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
@@ -205,13 +243,15 @@ class QuantizedKVCache(KVCache):
         if index in states:
             chain = self._chains[(layer, kind)]
             return torch.stack([c.values(v) for c, v in zip(chain, states[index])], dim=1)
-        return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index))
+        return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index), index)
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
         """Additive logits [B, H, T, N] for the keys of `frames` (default: `history`) followed by
         the T fresh keys of the newest frame: minus the expected key-noise inflation
         (quant/logit_noise.py) on the tokens of frames held at the spec's own bits for the head,
         0 elsewhere. None when the recipe has no correction for this layer."""
+        if self.spec(layer, "k").jensen:
+            return self._jensen_bias(layer, q_BHTD, frames)
         var_HD = self._recipe_on_device.tensor(layer, "k", "logit_bias")
         if var_HD is None:
             return None
@@ -226,6 +266,21 @@ class QuantizedKVCache(KVCache):
         c_BHT = logit_inflation(q_BHTD, var_HD, self._recipe_on_device.tensor(layer, "k", "rotation"))
         return -c_BHT.unsqueeze(-1) * mask_HN[None, :, None, :]
 
+    def _jensen_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None) -> Tensor:
+        """Minus the Jensen-bias correction [B, H, T, N] (quant/jensen.py) for the keys of `frames`
+        (default: `history`), each from its own stored steps, then the T exact fresh keys (0)."""
+        frames = self.history(layer) if frames is None else frames
+        spec = self.spec(layer, "k")
+        B, H, T, D = q_BHTD.shape
+        steps = []
+        for f in frames:
+            heads = self._frames[layer][f]["k"]
+            steps.append(torch.stack([key_steps(heads[h], spec, self.frame_params(layer, "k", h, self.stored_bits(layer, "k", h, f), f),
+                                                self.recipe.model.tokens_per_frame, D) for h in range(H)], dim=1))
+        steps.append(q_BHTD.new_zeros(B, H, T, D))
+        c_BHTN = jensen_bias(q_BHTD, torch.cat(steps, dim=2), self._recipe_on_device.tensor(layer, "k", "rotation"))
+        return -c_BHTN.to(q_BHTD.dtype)
+
     # ---- bytes -------------------------------------------------------------------------------
     def nbytes(self) -> int:
         total = 0
@@ -235,6 +290,7 @@ class QuantizedKVCache(KVCache):
                     total += sum(stored_nbytes(s) for s in stored[kind])
                 if "coords" in stored:
                     total += stored["coords"].numel() * stored["coords"].element_size()
+        total += sum(stored_nbytes(states) for states in self._span_states)
         return total
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:

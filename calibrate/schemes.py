@@ -1,9 +1,10 @@
 """Baselines and presets, each expressed as an ordinary recipe that the one runtime runs.
 
-Every baseline is a point of the recipe's scheme space (recipe.py); only `kvquant2` and `qvg2`
-need calibration data (K/V token samples from replay). TinyWorld stores 16 tokens per frame,
-so token counts of the papers are expressed in whole frames; deviations are listed per
-baseline and repeated in the recipe's `scheme.notes`.
+Every baseline is a point of the recipe's scheme space (recipe.py); only `kvquant2` and
+`qvg2_static` need calibration data (K/V token samples from replay, `CALIBRATED`). TinyWorld
+stores 16 tokens per frame, so token counts of the papers are expressed in whole frames;
+deviations are listed per baseline and repeated in the recipe's `scheme.notes`. Bits/element
+below are at steady state (window 16 + 1 sink frame, every byte counted: memory.py).
 
 - `fp16`: every frame stored in float16 (the memory reference).
 - `naive2`: the brief's example: per-token symmetric 2-bit, group 64, scale = absmax / 2,
@@ -11,8 +12,11 @@ baseline and repeated in the recipe's `scheme.notes`.
 - `kivi2` / `kivi4` (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for
   KV Cache"): K per-channel, V per-token (group 32), asymmetric min/max,
   scale = (max - min) / (2^b - 1), round half to even, full-precision residual of R = 128
-  tokens = 8 frames. Deviation: KIVI groups keys per channel over G = 32 tokens; a frame has
-  16, so key groups span one frame (finer groups, more parameter bytes: counted).
+  tokens = 8 frames. Deviations: KIVI groups keys per channel over G = 32 tokens; a frame has
+  16, so key groups span one frame (finer groups, more parameter bytes: counted); KIVI flushes
+  its key buffer R tokens at a time (0-7 frames in float16) while here keys, like values, keep
+  a sliding float16 window of 8 frames. 9.38 bits/element: the paper's row, not at our memory
+  (`kivi2_lowmem` is).
 - `kvquant2` (Hooper et al., 2024, "KVQuant"): K per-channel with *calibrated* static ranges,
   V per-token; non-uniform 2-bit levels fitted on calibration data (per layer and head,
   k-means on normalized values); 1% dense-and-sparse outliers kept in float16; the first
@@ -23,11 +27,65 @@ baseline and repeated in the recipe's `scheme.notes`.
 - `quarot2` (Ashkboos et al., 2024, "QuaRot"): randomized Hadamard rotation of K (with the
   query rotated alike: q.k unchanged) and of V (inverse on read), then asymmetric per-token
   2-bit with group = head_dim. No sink or window.
-- `qvg2` (Xi et al., 2026, "Quant VideoGen"): semantic-aware smoothing (subtract the nearest
-  k-means centroid per token, per head) plus 2-bit residual per token (group 32); the first
-  frame and the newest frame in float16. Deviations: centroids are fitted once on
-  calibration data instead of per chunk (16-token frames would spend more bytes on
-  per-chunk centroids than on codes); one residual stage, not progressive.
+- `qvg2` (Xi et al., 2026, "Quant VideoGen"; formulas of its `quant-videogen` 0.1.0 package,
+  quant/qvg.py): semantic-aware smoothing by k-means over the tokens of each span (per layer,
+  K/V and head), one stage, 2 k-means iterations, then an INT2 residual with levels {-1, 0, 1}
+  and one FP8-E4M3 scale per token and block of 64 channels: the package's shipped setting
+  (Self-Forcing, HY-WorldPlay, LingBot-v2 scripts). No float16 frames: the first frame is
+  quantized as in the Self-Forcing integration, and the frame being generated attends to its
+  own exact K/V as the package's current chunk does. 2.49 bits/element at the worst span phase.
+  Deviations, and why:
+  - *Centroid budget.* The package uses 256 centroids per span of 37,440 tokens (Self-Forcing:
+    ~146 tokens per centroid, 2.30 bits); a TinyWorld frame has 16 tokens and the window 256,
+    so 256 centroids per span is impossible. Spans of 16 frames with 2 centroids keep ~the
+    package's ratio (128 tokens per centroid) and still cluster; one centroid (S8C1, 2.36
+    bits) reduces k-means to mean removal, while 4 centroids (S16C4: 2.86 bits) or 8-frame
+    spans (S8C2: 2.61) exceed 2.5 (the states of the sink frame's span and of a span that
+    straddles the window edge are held too). Measured on 4 held-out trajectories x 64 frames: S16C2 30.9 dB at 2.49
+    bits vs S8C1 29.2 dB at 2.36, S4C1 29.7 at 2.48, S1C1 (per-frame spans) 29.9 at 3.13.
+  - *Span schedule.* The package compresses a span once it is complete, keeping its frames in
+    bf16 until then (up to S-1 frames: ~5.4 bits resident at S = 8); here the span's
+    centroids are fitted on its first frame when that frame is stored, and the later frames
+    are smoothed with them as they arrive ("stream"): resident bits = stored bits, but the
+    centroids see 16 tokens, not the whole span.
+  - *Indices* are bit-packed (1 bit for 2 centroids) where the package stores a uint8 per
+    token: storage only (2.60 -> 2.49 bits), the same numerics.
+  - float32 arithmetic with float16 centroids (the package: bf16 model, bf16 centroids and
+    residual); assignment to the nearest stored centroid (the package returns k-means' last
+    ids, the same once converged); fixed-seed init shared by the batch rows; the FP8 scale
+    clamped to [2^-9, 448] (the package's real path divides by a zero scale on an all-zero
+    block); the project's bit order; keys post-rotary (LingBot-v2 and HY-WorldPlay cache
+    post-RoPE keys; Self-Forcing pre-RoPE).
+- `qvg2_static`: the same residual quantizer after static smoothing with 16 centroids per head
+  fitted offline on calibration K/V by QVG's k-means (100 iterations), 2.25 bits. Kept because
+  it teaches something: on 16-token frames the per-span centroid budget is what limits QVG,
+  and calibrated centroids, which cost nothing per frame, do better at fewer bits.
+- `kivi2_lowmem`: KIVI-2's quantizer (asymmetric min/max, round half to even, float16 scale
+  and zero) with no float16 residual and V per-token groups of 64: 2.5 bits. Deviation: keys
+  per-token (groups of 64 channels) instead of per-channel, because no per-channel key variant
+  reaches 2.5 bits measured on 16-token frames: groups of one frame cost 2 + 32/16 = 4 bits
+  for keys, and KIVI's longer key groups (G = 64 tokens = 4 frames, 2.5 bits stored) need a
+  float16 key buffer of up to 3 frames that averages 3.8 bits for keys (3.1 for K and V).
+  So this row is KIVI's own per-token-key ablation, at our memory.
+- `turbo2.5` (Zandieh et al., 2025, "TurboQuant"; quant/turbo.py): per head a Haar-random
+  rotation; keys TQ_prod at 2 bits (1-bit Lloyd-Max code of the Beta coordinate law + a 1-bit
+  QJL sketch of the residual, m = head_dim, float16 norm and residual norm: 2.5 bits), values
+  TQ_mse at 2 bits (Lloyd-Max, float16 norm: 2.25 bits); every frame quantized on write (the
+  paper quantizes generated tokens too), no float16 frames. 2.375 bits. The decoded key
+  k^ = n (c[code] + sqrt(pi/2)/m gamma S^T z) makes ordinary attention compute the paper's
+  unbiased inner-product estimator. Deviations: no outlier-channel split (the paper's 2.5-bit
+  setting runs two instances, 32 outlier channels at 3 bits and 96 at 2 of 128; with per-
+  instance norms that costs > 2.5 bits at head_dim 64: 3.25 for keys); the sketch acts on the
+  residual in the rotated basis (S Pi^T is Gaussian too: same estimator); norms in float16
+  (the paper does not say); keys post-rotary.
+- `jensen2` ("Quantized Keys Steal Attention", Tuncer et al., 2026; only the abstract was
+  readable, the formula is the research spec's reconstruction, quant/jensen.py): a plain 2-bit
+  cache, K per-channel over each frame's tokens and V per-token groups of 64 (asymmetric
+  min/max, no float16 frames), with the logits of quantized keys lowered by
+  sum_d q_d^2 Delta_d^2 / (24 D) from each key's own stored steps: 3.25 bits (per-channel key
+  parameters of a 16-token frame cost 2 bits; the correction adds none). How it differs from
+  the project's fitted `logit_bias` correction: quant/jensen.py; both are measured on this
+  cache by `benchmarks/jensen.py`.
 """
 
 from __future__ import annotations
@@ -38,8 +96,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from calibrate.quant import codebook, rotation
-from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
+from calibrate.quant import codebook, qvg, rotation, turbo
+from calibrate.recipe import ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy, uniform_scheme
 
 KIVI_RESIDUAL_TOKENS = 128
 
@@ -122,35 +180,82 @@ def _kvquant2(info: ModelInfo, calib) -> Recipe:
     return Recipe(info, uniform_scheme("kvquant2", info.num_layers, k, v, pol, notes), tensors)
 
 
-QVG_CENTROIDS = 16
+# ---- issue 17: peers at equal memory ---------------------------------------------------------
+def _kivi2_lowmem(info: ModelInfo, calib) -> Recipe:
+    spec = TensorSpec(bits=2, axis="token", group_size=min(64, info.head_dim))
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = ("KIVI-2 quantizer (asymmetric min/max, round half to even, fp16 scale+zero) at <= 2.5 bits: no fp16 "
+             "residual, V per-token G=64; K per-token G=64 instead of per-channel (per-channel key groups of one "
+             f"{info.tokens_per_frame}-token frame cost 4 bits, longer groups need an fp16 key buffer)")
+    return Recipe(info, uniform_scheme("kivi2_lowmem", info.num_layers, spec, spec, pol, notes), {})
 
 
-def _kmeans(x_ND: Tensor, k: int, seed: int, iters: int = 25) -> Tensor:
-    """Deterministic k-means (k-means++-free: init from a seeded random subset)."""
-    g = torch.Generator().manual_seed(seed)
-    centers = x_ND[torch.randperm(x_ND.shape[0], generator=g)[:k]].clone()
-    for _ in range(iters):
-        assign = torch.cdist(x_ND, centers).argmin(-1)
-        for c in range(k):
-            members = x_ND[assign == c]
-            if len(members):
-                centers[c] = members.mean(0)
-    return centers
+QVG_BLOCK = 64  # quant_block_size of every shipped script but LingBot v1
+QVG_STAGES = 1  # num_prq_stages of every shipped script but LingBot v1
+QVG_KMEANS_ITERS = 2  # kmeans_max_iters of Self-Forcing, HY-WorldPlay and LingBot-v2
+QVG_SPAN_FRAMES = 16
+QVG_SPAN_CENTROIDS = 2
 
 
-def _qvg2(info: ModelInfo, calib) -> Recipe:
-    calib = _require(calib, "qvg2")
-    spec = TensorSpec(bits=2, axis="token", group_size=min(32, info.head_dim), centroids=QVG_CENTROIDS)
+def _qvg2(info: ModelInfo, calib, span_frames: int = QVG_SPAN_FRAMES, centroids: int = QVG_SPAN_CENTROIDS,
+          name: str = "qvg2") -> Recipe:
+    spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), prq_stages=QVG_STAGES,
+                      prq_centroids=centroids, prq_span_frames=span_frames, prq_kmeans_iters=QVG_KMEANS_ITERS)
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = (f"QVG (PRQ): {QVG_STAGES} k-means stage of {centroids} centroid(s) per head and span of {span_frames} "
+             f"frames, fitted ({QVG_KMEANS_ITERS} iterations) on the span's first frame when it is stored and shared by "
+             f"the span; INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and block of {spec.group_size}; "
+             "first frame quantized (Self-Forcing integration); keys post-rotary")
+    return Recipe(info, uniform_scheme(name, info.num_layers, spec, spec, pol, notes), {})
+
+
+def _turbo25(info: ModelInfo, calib) -> Recipe:
+    D, H = info.head_dim, info.num_kv_heads
+    k = TensorSpec(bits=2, kind="turbo_prod", rotation="random")
+    v = TensorSpec(bits=2, kind="turbo", rotation="random")
+    levels = {"k": turbo.beta_lloyd_max(D, 1), "v": turbo.beta_lloyd_max(D, 2)}
     tensors = {}
     for i in range(info.num_layers):
-        for j, (kind, sample) in enumerate((("k", calib.k_LHND), ("v", calib.v_LHND))):
-            tensors[f"layers.{i}.{kind}.centroids"] = torch.stack(
-                [_kmeans(sample[i, h].float(), QVG_CENTROIDS, seed=1000 * i + 100 * j + h) for h in range(info.num_kv_heads)]
-            )
-    pol = TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1, recent_bits=16)
-    notes = (f"QVG-2: k-means centroid smoothing ({QVG_CENTROIDS} static centroids per head, fitted on calibration "
-             "K/V) + 2-bit per-token residual G=32; sink and newest frame fp16; one residual stage")
-    return Recipe(info, uniform_scheme("qvg2", info.num_layers, spec, spec, pol, notes), tensors)
+        for j, kind in enumerate("kv"):
+            seed = 1000 * i + 100 * j
+            tensors[f"layers.{i}.{kind}.rotation"] = torch.stack([rotation.random_orthogonal(D, seed + h) for h in range(H)])
+            tensors[f"layers.{i}.{kind}.lloyd_max"] = levels[kind].expand(H, -1).clone()
+        tensors[f"layers.{i}.k.qjl"] = torch.stack([turbo.qjl_matrix(D, D, 1000 * i + 50 + h) for h in range(H)])
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = ("TurboQuant: Haar-random rotation per head; K = TQ_prod (1-bit Lloyd-Max + 1-bit QJL sketch, m = head_dim, "
+             "fp16 norm and residual norm: 2.5 bits), V = TQ_mse (2-bit Lloyd-Max, fp16 norm: 2.25 bits); every frame "
+             "quantized on write; no outlier-channel split (its per-instance norms cost > 2.5 bits at head_dim 64)")
+    return Recipe(info, uniform_scheme("turbo2.5", info.num_layers, k, v, pol, notes), tensors)
+
+
+def _jensen2(info: ModelInfo, calib) -> Recipe:
+    k = TensorSpec(bits=2, axis="channel", jensen=True)
+    v = TensorSpec(bits=2, axis="token", group_size=min(64, info.head_dim))
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = ("Jensen-bias correction (reconstructed from the abstract) on a plain 2-bit cache: K per-channel over each "
+             "frame's tokens, V per-token G=64, asymmetric min/max; logits of quantized keys lowered by "
+             "sum_d q_d^2 Delta_d^2 / (24 D) from each key's stored steps")
+    return Recipe(info, uniform_scheme("jensen2", info.num_layers, k, v, pol, notes), {})
+
+
+QVG_STATIC_CENTROIDS = 16
+QVG_STATIC_KMEANS_ITERS = 100  # QuantizeConfig's default: offline, iterations are free
+
+
+def _qvg2_static(info: ModelInfo, calib) -> Recipe:
+    calib = _require(calib, "qvg2_static")
+    C = QVG_STATIC_CENTROIDS
+    spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), centroids=C)
+    tensors = {}
+    for i in range(info.num_layers):
+        for kind, sample in (("k", calib.k_LHND), ("v", calib.v_LHND)):
+            x = sample[i].float()  # [H, N, D]: the heads are k-means' batch rows
+            _, cents = qvg.kmeans(x, C, QVG_STATIC_KMEANS_ITERS, qvg.init_indices(x.shape[1], C))
+            tensors[f"layers.{i}.{kind}.centroids"] = cents
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = (f"QVG residual (INT2, FP8 scale per block of {spec.group_size}) after static smoothing: {C} centroids per "
+             "head fitted offline on calibration K/V with QVG's k-means, instead of per span at run time")
+    return Recipe(info, uniform_scheme("qvg2_static", info.num_layers, spec, spec, pol, notes), tensors)
 
 
 BUILDERS = {
@@ -161,8 +266,24 @@ BUILDERS = {
     "kvquant2": _kvquant2,
     "quarot2": _quarot2,
     "qvg2": _qvg2,
+    "kivi2_lowmem": _kivi2_lowmem,
+    "turbo2.5": _turbo25,
+    "jensen2": _jensen2,
+    "qvg2_static": _qvg2_static,
 }
 BASELINES = tuple(BUILDERS)
+CALIBRATED = ("kvquant2", "qvg2_static")  # need K/V samples from a calibration replay
+
+
+def preset_scheme(name: str, info: ModelInfo) -> Scheme:
+    """The scheme (specs and policy, not the fitted tensors) of baseline `name`, without calibration
+    data: calibrated presets are built on a small synthetic sample, which changes only their tensors."""
+    sample = None
+    if name in CALIBRATED:
+        g = torch.Generator().manual_seed(0)
+        shape = (info.num_layers, info.num_kv_heads, 64, info.head_dim)
+        sample = KVSample(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return build_baseline(name, info, sample).scheme
 
 
 def build_baseline(name: str, info: ModelInfo, calib: KVSample | None = None) -> Recipe:

@@ -9,6 +9,9 @@ codebook reconstructions. `tests/test_reader.py` holds it to `calibrate`'s own l
     spec = metadata["scheme"]["layers"][0]["k"]          # a TensorSpec as a dict
     scale = tensors["layers.0.k.scale"]                   # [H, D] float32 (static per-channel)
     var = tensors.get("layers.0.k.logit_bias")             # [H, D] or None: key-noise logit correction
+
+Format 1.1 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_turbo` and
+`dequantize_turbo_prod` (TurboQuant), and `jensen_correction` for specs with `jensen`.
 """
 
 import json
@@ -60,6 +63,7 @@ def read_recipe(path):
                 meta[key] = json.loads(raw[key])
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: metadata field '{key}' is not valid JSON ({e})") from None
+    check_kinds(path, meta)
     return meta, tensors
 
 
@@ -177,3 +181,84 @@ def predictive_values(v, tensors, layer, kind, head):
     """x̂ = (unit * v) @ R^T + mean, float32 (keys: before the rotary encoding if `rotary_coords`)."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float32)
     return (t("unit") * np.asarray(v, dtype=np.float32)) @ t("rotation").T + t("mean")
+
+
+# ---- format 1.1 -----------------------------------------------------------------------------------
+KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")  # a kind outside this list: refuse the recipe
+
+
+def check_kinds(path, meta):
+    """ValueError naming the field if a spec of `meta["scheme"]` has a kind this reader cannot decode."""
+    for i, layer in enumerate(meta["scheme"]["layers"]):
+        for kv in ("k", "v"):
+            kind = layer[kv].get("kind", "uniform")
+            if kind not in KINDS:
+                raise ValueError(f"{path}: scheme.layers[{i}].{kv}.kind {kind!r} is not one this reader decodes ({', '.join(KINDS)})")
+
+
+def fp8_e4m3(bits_u8):
+    """FP8 E4M3 (float8_e4m3fn) bit patterns (uint8) -> float32: sign, 4 exponent bits (bias 7),
+    3 mantissa bits; exponent 0 is subnormal (m/8 * 2^-6); 0x7f / 0xff are NaN; no infinities."""
+    b = np.asarray(bits_u8, dtype=np.uint8).astype(np.int32)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    val = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * np.exp2(exp - 7.0))
+    val = np.where((exp == 15) & (man == 7), np.nan, val)
+    return (sign * val).astype(np.float32)
+
+
+def index_bits(num_centroids):
+    """Width of a stored centroid index: the fewest of 1, 2, 3, 4, 8 bits that hold C values (0 if C = 1)."""
+    return 0 if num_centroids <= 1 else next(w for w in (1, 2, 3, 4, 8) if 2**w >= num_centroids)
+
+
+def dequantize_prq(codes, scale_fp8, bits, group_size, centroids=None, assign=None, num_centroids=1):
+    """Kind "prq": codes [B, T, D] (unpacked), scale_fp8 [B, T, D/G(, 1)] (uint8 E4M3 bit patterns),
+    centroids [B, S, C, D] (float16, the span's state) or None when prq_stages = 0, assign
+    [B, S, ceil(T/8) w] (packed indices, w = index_bits(C)) or None when C = 1.
+
+    x = (u - q_max) * s + sum_s centroids[s][a_s], q_max = 2^(b-1) - 1.
+    """
+    codes = np.asarray(codes)
+    B, T, D = codes.shape
+    g, s = _per_group(codes.astype(np.float32), fp8_e4m3(scale_fp8), group_size)
+    x = ((g - (2 ** (bits - 1) - 1)) * s).reshape(codes.shape)
+    if centroids is None:
+        return x
+    cents = np.asarray(centroids, dtype=np.float32)
+    S = cents.shape[1]
+    ids = np.zeros((B, S, T), dtype=np.int64) if assign is None else unpack(assign, index_bits(num_centroids), T).astype(np.int64)
+    for st in range(S):
+        x = x + np.take_along_axis(cents[:, st], ids[:, st, :, None], axis=1)
+    return x
+
+
+def dequantize_turbo(codes, norm, levels, rotation=None):
+    """Kind "turbo": x = (levels[code] * norm) @ R^T; codes [..., D], norm [..., 1] (float16), levels [2^b]."""
+    y = np.asarray(levels, dtype=np.float32)[np.asarray(codes).astype(np.int64)] * np.asarray(norm, dtype=np.float32)
+    return y if rotation is None else y @ np.asarray(rotation, dtype=np.float32).T
+
+
+def dequantize_turbo_prod(codes, norm, gamma, levels, qjl, bits, rotation=None):
+    """Kind "turbo_prod": code = i + 2^(b-1) z; u = levels[i] + sqrt(pi/2)/m * gamma * (2z - 1) @ S;
+    x = (u * norm) @ R^T. codes [..., D]; norm, gamma [..., 1] (float16); levels [2^(b-1)]; S [m, D]."""
+    codes = np.asarray(codes).astype(np.int64)
+    top = bits - 1
+    S = np.asarray(qjl, dtype=np.float32)
+    z = 2.0 * (codes >> top) - 1.0
+    u = np.asarray(levels, dtype=np.float32)[codes & ((1 << top) - 1)]
+    u = u + np.float32(np.sqrt(np.pi / 2) / S.shape[0]) * np.asarray(gamma, dtype=np.float32) * (z.astype(np.float32) @ S)
+    y = u * np.asarray(norm, dtype=np.float32)
+    return y if rotation is None else y @ np.asarray(rotation, dtype=np.float32).T
+
+
+def jensen_correction(q, steps, rotation=None):
+    """Amount to subtract from logits (`jensen` specs): c[t, n] = sum_d (q R)_td^2 steps_nd^2 / (24 D).
+
+    q [T, D] queries of one head; steps [N, D] the grid step of every element of the N keys it
+    attends to (a frame's stored scale per group or channel, 0 for exact keys); rotation [D, D] or None.
+    """
+    q = np.asarray(q, dtype=np.float32)
+    if rotation is not None:
+        q = q @ np.asarray(rotation, dtype=np.float32)
+    return (q * q) @ (np.asarray(steps, dtype=np.float32) ** 2).T / (24 * q.shape[-1])

@@ -12,7 +12,7 @@ from calibrate.quant.packing import unpack
 from calibrate.recipe import TensorSpec
 from calibrate.replay import Recorder, record, rollout_batch
 from calibrate.runtime import QuantizedKVCache
-from calibrate.schemes import BASELINES, build_baseline
+from calibrate.schemes import BASELINES, CALIBRATED, build_baseline
 from calibrate.world.trajectories import make_trajectories
 from calibrate.world.weights import load_weights
 
@@ -61,7 +61,7 @@ def test_baseline_runs_end_to_end(world, name):
 
 def test_calibrated_baselines_need_a_sample(world):
     _, info, *_ = world
-    for name in ("kvquant2", "qvg2"):
+    for name in CALIBRATED:
         with pytest.raises(ValueError, match="calibration data"):
             build_baseline(name, info)
 

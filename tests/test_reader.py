@@ -239,3 +239,76 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
                     np.testing.assert_allclose(reader.predictive_values(v, tensors, layer, kind, h),
                                                _np(cache._chains[(layer, kind)][h].values(states[g][h])), atol=1e-6)
                     prev_frame, prev = g, v
+
+
+# ---- format 1.1: prq, turbo, turbo_prod, the Jensen correction -----------------------------------
+def test_fp8_bit_patterns():
+    from calibrate.quant.qvg import fp8_e4m3
+
+    x = torch.tensor([2.0**-9, 0.3, 1.0, 448.0, 0.0136, 3.5])
+    bits = fp8_e4m3(x).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(reader.fp8_e4m3(bits), fp8_e4m3(x).float().numpy())
+    assert np.isnan(reader.fp8_e4m3(np.array([0x7F], dtype=np.uint8)))[0]
+
+
+@pytest.mark.parametrize("stages,C,block", [(1, 2, 16), (2, 5, 8), (1, 1, 16), (0, 0, 4)])
+def test_prq_decode_matches_codec(stages, C, block):
+    from calibrate.codec import fit_span_state, with_span_state
+
+    spec = TensorSpec(bits=2, kind="prq", group_size=block, prq_stages=stages, prq_centroids=C)
+    p = HeadParams(bits=2)
+    x = _frame(20 + C)
+    if stages:
+        p = with_span_state(p, fit_span_state(x, spec, p))
+    stored = encode(x, spec, p)
+    codes = reader.unpack(_np(stored["codes"]), 2, 16)
+    got = reader.dequantize_prq(codes, stored["p_scale"].view(torch.uint8).numpy(), 2, block,
+                                None if not stages else p.span_centroids_BSCD.numpy(),
+                                _np(stored["p_assign"]) if "p_assign" in stored else None, C)
+    np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-5, rtol=0)
+
+
+def test_turbo_decode_matches_codec(tmp_path):
+    path = tmp_path / "turbo.safetensors"
+    save_recipe(build_baseline("turbo2.5", INFO), path)
+    recipe = load_recipe(path)
+    _, tensors = reader.read_recipe(path)
+    x = _frame(30)
+    for kind in ("k", "v"):
+        spec = recipe.spec(0, kind)
+        for h in range(INFO.num_kv_heads):
+            p = head_params(spec, recipe.layer_tensors(0, kind), h)
+            stored = encode(x, spec, p)
+            codes = reader.unpack(_np(stored["codes"]), 2, 16)
+            R, L = tensors[f"layers.0.{kind}.rotation"][h], tensors[f"layers.0.{kind}.lloyd_max"][h]
+            if kind == "k":
+                got = reader.dequantize_turbo_prod(codes, _np(stored["p_norm"]), _np(stored["p_gamma"]), L,
+                                                   tensors["layers.0.k.qjl"][h], 2, R)
+            else:
+                got = reader.dequantize_turbo(codes, _np(stored["p_norm"]), L, R)
+            np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-5, rtol=0)
+
+
+def test_jensen_correction_matches_the_runtimes():
+    from calibrate.quant.jensen import jensen_bias
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 4, 16, generator=g)
+    steps = torch.rand(1, 2, 12, 16, generator=g)
+    R = torch.linalg.qr(torch.randn(2, 16, 16, generator=g))[0]
+    want = jensen_bias(q, steps, R)
+    for h in range(2):
+        np.testing.assert_allclose(reader.jensen_correction(q[0, h].numpy(), steps[0, h].numpy(), R[h].numpy()),
+                                   want[0, h].numpy(), rtol=1e-5, atol=1e-8)
+
+
+def test_reader_refuses_an_unknown_kind(tmp_path):
+    path = tmp_path / "r.safetensors"
+    save_recipe(build_baseline("naive2", INFO), path)
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    scheme = json.loads(json.loads(blob[8 : 8 + n])["__metadata__"]["scheme"])
+    scheme["layers"][1]["v"]["kind"] = "lattice"
+    _rewrite_metadata(path, scheme=json.dumps(scheme))
+    with pytest.raises(ValueError, match=re.escape("scheme.layers[1].v.kind 'lattice'")):
+        reader.read_recipe(path)

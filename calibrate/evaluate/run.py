@@ -131,7 +131,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 cache = QuantizedKVCache.from_recipe(recipes[name], window, sink_frames, device)
                 quant, _ = rollout_batch(world, group, cache, device, truth=truth)
                 results = _traj_results(group, ref, quant, truth)
-                n = group[0].num_frames
+                n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
                           "fp16_bytes": fp16_cache_bytes(recipes[name].model, n, window, sink_frames, len(group))}
                 attn = fp_cache.errors[name].sums if attention else {}
