@@ -22,7 +22,7 @@ from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.html import page_data, write_report_html
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.sheets import FrameSheets, sheet_path, to_uint8
-from calibrate.replay import model_info
+from calibrate.adapters import as_world
 from calibrate.schemes import build_baseline
 from calibrate.world.trajectories import make_trajectories
 
@@ -39,11 +39,11 @@ def report(tmp_path_factory):
     a damaged sheet, one without frames, and the frames the players must show."""
     out = tmp_path_factory.mktemp("report")
     model = load_model("tinyworld")
-    info = model_info(model)
+    info = as_world(model).info
     recipes = {n: build_baseline(n, info) for n in ("fp16", "naive2", "kivi4")}
     trajs = make_trajectories(["static", "stress"], "evaluation", 2, 140) + make_trajectories(["orbit"], "evaluation", 1, 24)
     sheets = FrameSheets(out / "frames")
-    runs = evaluate(model, recipes, trajs, 16, 1, CPU, attention=False, keep_frames=True, on_rollout=sheets)
+    runs = evaluate(as_world(model), recipes, trajs, 16, 1, CPU, attention=False, keep_frames=True, on_rollout=sheets)
     rep = report_mod.build(runs, [], {}, 30.0)
     pages = {"full": write_report_html(out / "report.html", rep, runs, sheets, "pytest browser"),
              "none": write_report_html(out / "none" / "report.html", rep, runs, None, "pytest browser")}
