@@ -69,12 +69,26 @@ from calibrate.recipe import Recipe, TensorSpec
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
 
+def check_fitted_window(recipe: Recipe, window: int, sink_frames: int) -> None:
+    """A recipe with codes across frames runs only under the window and sinks it was fitted for
+    (its `memory` section says which): its steps and widths were chosen for that chain length."""
+    if not any(recipe.spec(i, kind).kind == "predictive" for i in range(recipe.model.num_layers) for kind in KINDS):
+        return
+    memory = recipe.section("memory")
+    fitted = (memory.get("window"), memory.get("sink_frames"))
+    if None not in fitted and fitted != (window, sink_frames):
+        raise ValueError(f"{recipe.path or 'recipe'}: memory.window: its predictive codes were fitted for a window of "
+                         f"{fitted[0]} frames + {fitted[1]} sink(s), the cache has {window} + {sink_frames}; refit with "
+                         f"model.cache.window={window} model.cache.sink_frames={sink_frames}")
+
+
 class QuantizedKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
         super().__init__(recipe.model.num_layers, window, sink_frames)
         if recipe.scheme.policy.keyframe_interval < 0:
             raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
                              f"got {recipe.scheme.policy.keyframe_interval}")
+        check_fitted_window(recipe, window, sink_frames)
         self.recipe = recipe
         self.policy = recipe.scheme.policy
         self.head_dim = recipe.model.head_dim

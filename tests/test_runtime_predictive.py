@@ -1,5 +1,7 @@
 """The packed runtime with predictive (cross-frame) tensors and keys stored before the rotation."""
 
+import json
+
 import pytest
 import torch
 
@@ -155,3 +157,43 @@ def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
         k_all, v_all = cache.gather(0, ropes[f].apply(ks[f]), vs[f])
         ref = torch.softmax(q @ k_all.transpose(-1, -2) / D**0.5, -1) @ v_all
         assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_a_predictive_recipe_refuses_another_window_than_it_was_fitted_for():
+    recipe = predictive_recipe()
+    recipe.metadata["memory"] = json.dumps({"window": 16, "sink_frames": 1})
+    QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    with pytest.raises(ValueError, match="memory.window: its predictive codes were fitted for a window of 16"):
+        QuantizedKVCache.from_recipe(recipe, window=8, sink_frames=1)
+
+
+def test_a_delta_frame_whose_reference_was_evicted_is_one_clear_error():
+    recipe = predictive_recipe()
+    ks, vs, ropes = sequence(8)
+    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=0)
+    for f in range(8):
+        cache.append(0, ks[f], vs[f], ropes[f])
+        cache.read(0)
+    oldest = cache.frame_indices(0)[0]
+    second = cache.frame_indices(0)[1]
+    del cache._frames[0][oldest]  # lose the anchor: frame `second` has no reference any more
+    with pytest.raises(ValueError, match="previous frame's states"):
+        cache.read(0)
+    assert second in cache.frame_indices(0)
+
+
+def test_the_mode_choice_never_codes_a_token_worse_than_intra_alone():
+    """Coding against the previous frame is chosen per token only where it is no worse: the
+    per-token error of the predictive code is bounded by the intra-only code's, exactly."""
+    recipe = predictive_recipe()
+    ks, _, _ = sequence(30, B=1)
+    x = torch.stack(ks, dim=2)  # B H F T D
+    for h in range(H):
+        p = head_params(recipe.layer_tensors(0, "k"), h)
+        v = None
+        for f in range(30):
+            tau = P.to_units(x[:, h, f], p)
+            _, _, v = P.encode(x[:, h, f], p, v)
+            _, v_intra = P.intra(tau, p)
+            w = p.unit_D ** 2
+            assert bool((((tau - v) ** 2 * w).sum(-1) <= ((tau - v_intra) ** 2 * w).sum(-1)).all())
