@@ -314,8 +314,10 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         coords = recorder.traces[0].rotary_coords
         recipe, record, fits = fit_predictive(info, traces, recorder.stats, cfg.fit, window, sink, coords)
         candidates = {"fitted": recipe}
-        candidates.update({f"inter_x{scale:g}": rescaled(info, fits, cfg.fit, coords, scale, recipe.scheme.name)
-                           for scale in cfg.fit.closed_loop_scales if scale != 1.0})
+        for scale in cfg.fit.closed_loop_scales:  # the same widths; finer steps may widen the anchors
+            cand = rescaled(info, fits, cfg.fit, coords, scale, recipe.scheme.name)
+            if scale != 1.0 and bits_per_element(info, cand.scheme, window, sink) <= cfg.fit.budget_bits + 1e-9:
+                candidates[f"inter_x{scale:g}"] = cand
     else:
         sample = kv_sample(recorder)
         recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window,

@@ -59,7 +59,9 @@ def test_record_says_what_was_chosen_and_recipe_round_trips(fitted, model, tmp_p
         for kind in ("k", "v"):
             assert {"intra_mult", "inter_mult", "why", "scores"} <= set(layer[kind])
     assert {"closed_loop", "upgrades", "base_bits", "head_bits"} <= set(fit)
-    assert set(fit["closed_loop"]["scores"]) == {"fitted", "inter_x0.7", "inter_x1.4", "inter_x2"}
+    # candidates whose finer steps would widen the anchors past the budget are not rolled out
+    assert "fitted" in fit["closed_loop"]["scores"]
+    assert set(fit["closed_loop"]["scores"]) <= {"fitted", "inter_x0.7", "inter_x1.4", "inter_x2"}
 
 
 def test_same_config_and_seed_give_identical_bytes(fitted, model):

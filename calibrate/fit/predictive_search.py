@@ -179,11 +179,13 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
 
 
 def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
-    """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget."""
+    """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget
+    whatever step multipliers the search then picks (the smallest steps need the widest anchors)."""
+    finest = HeadCode(0.0, min(cfg.intra_mults), min(cfg.inter_mults) * min(min(cfg.closed_loop_scales), 1.0))
     for avg in (2.0, 1.75, 1.5, 1.25, 1.0):
         fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
                                  *moments(stats, "kpre" if kind == "k" and pre else kind, l),
-                                 [HeadCode(avg, 1.3, 0.7)] * info.num_kv_heads) for kind in KINDS}
+                                 [replace(finest, avg_bits=avg)] * info.num_kv_heads) for kind in KINDS}
                 for l in range(info.num_layers)]
         if bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames) <= cfg.budget_bits + 1e-9:
             return avg
