@@ -34,10 +34,10 @@ def test_check_passes_on_shipped_recipe_and_fails_on_a_degraded_copy(tmp_path):
     suite = ET.parse(tmp_path / "ok" / "check.xml").getroot()
     assert suite.tag == "testsuite" and int(suite.get("failures")) == 0 and int(suite.get("tests")) == len(result["criteria"])
 
-    # degrade: widen every static scale (coarser steps) and every clip to min/max
+    # degrade: every step 3x coarser (static scales of scalar codes, integer units of predictive codes)
     recipe = load_recipe(SHIPPED[0])
     for name, t in recipe.tensors.items():
-        if name.endswith(".scale"):
+        if name.endswith((".scale", ".unit")):
             recipe.tensors[name] = t * 3.0
     degraded = tmp_path / "degraded.safetensors"
     save_recipe(recipe, degraded)

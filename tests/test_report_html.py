@@ -212,7 +212,7 @@ def test_a_model_without_ground_truth_has_no_ground_truth_player(evaluated, tmp_
 def test_fit_summary_of_the_shipped_recipe():
     recipe = load_recipe(ROOT / "recipes" / "tinyworld-ours-2bit.safetensors")
     line = fit_summary(recipe.metadata, recipe.scheme.notes)
-    assert "budget 2.5 bits/elem" in line and "closed loop chose 'fitted'" in line
+    assert "budget 2.5 bits/elem" in line and re.search(r"closed loop chose '[\w.]+' \(fitted [\d.]+ dB", line)
     assert fit_summary({}, "notes of a preset") == "notes of a preset"
     assert fit_summary({"fit": "{oops"}, "") == "fit record unreadable"
 
