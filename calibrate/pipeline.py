@@ -29,7 +29,7 @@ from calibrate.evaluate.sheets import (REFERENCE, FrameSheets, SheetError, decod
                                        sheet_frames, undo_difference)
 from calibrate.evaluate.strips import write_strip
 from calibrate.fit.objective import LayerTrace
-from calibrate.fit.predictive_search import fit_predictive, rescaled
+from calibrate.fit.predictive_search import BudgetError, budget_floor, fit_predictive, rescaled
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.fit.select import choose, closed_loop_scores, record_choice
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
@@ -365,12 +365,31 @@ def calibration_recording(cfg: Config, model: World, device: torch.device) -> Re
     return collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
 
 
+def check_budget(cfg: Config, info) -> None:
+    """fit.budget_bits against the least the configured code can store for this model and cache,
+    from the memory model before any replay: a budget no recipe can meet fails in seconds.
+
+    Predictive codes: `budget_floor` (no statistics needed; the fit checks the exact base width
+    on the fitted statistics as the backstop). Scalar codes: `FitConfig.check` refuses budgets
+    under the 2 bits of their codes; what their parameters add depends on the fitted choices.
+    """
+    if cfg.fit.code != "predictive":
+        return
+    window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
+    floor = budget_floor(info, cfg.fit, window, sink)
+    if cfg.fit.budget_bits < floor - 1e-9:
+        raise BudgetError(f"config: fit.budget_bits={cfg.fit.budget_bits} is below {floor:.3f} bits per element, the "
+                          f"least a predictive code stores for this model with model.cache.window={window} and "
+                          f"sink_frames={sink} (1 bit per component, a mode bit per token, an anchor frame per window)")
+
+
 def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
     """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
     info = as_world(model).info
     trajs = trajectory_set(cfg)
     check_fit_config(cfg.fit, info)  # before the replay, not after it
+    check_budget(cfg, info)
     recorder = recorder or calibration_recording(cfg, model, device)
     traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
     if cfg.fit.code == "predictive":

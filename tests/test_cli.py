@@ -41,7 +41,7 @@ def env() -> dict:
 
 def run_subprocess(args: list[str]) -> tuple[int, str, str]:
     run = subprocess.run([sys.executable, "-m", "calibrate", *args], cwd=REPO, env=env(), capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=600)
     return run.returncode, run.stdout, run.stderr
 
 
@@ -226,6 +226,9 @@ CASES = [
     Case("budget-below-2-bits", ["task=calibrate", *TINY_MODEL, *QUICK, "trajectories.families=[orbit]",
                                  "fit.budget_bits=1.0", "fit.trace_frames=4", "fit.sample_tokens=64",
                                  "fit.clip_grid=[1.0]", "fit.rotations=[none]"], ["budget_bits", "1.0"]),
+    Case("budget-nan", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=nan"], ["fit.budget_bits", "finite"]),
+    Case("budget-below-predictive-floor", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=1.01"],
+         ["fit.budget_bits=1.01", "window=16"]),
     Case("unknown-scheme", ["task=compare", *TINY_MODEL, "schemes=[fp16,nope]"], ["unknown scheme 'nope'"]),
     Case("comp-rank-above-head-dim", ["task=calibrate", *TINY_MODEL, *QUICK, "trajectories.families=[orbit]",
                                       "fit.comp_rank=65", "fit.trace_frames=4", "fit.sample_tokens=64",

@@ -1,5 +1,5 @@
 """Run directories that can be trusted when reused: partial results keyed by what made them,
-a report that never outlives its recipe.
+budgets refused before any replay, a report that never outlives its recipe.
 
 All on a tiny random TinyWorld on the CPU, in process (`pipeline.run_<task>` is what the CLI
 calls); the CLI's own contract (records, exit codes) is in test_cli.py.
@@ -15,8 +15,9 @@ import torch
 
 from calibrate import gate, pipeline
 from calibrate.adapters import as_world
-from calibrate.config import Config, TrajectoriesConfig
+from calibrate.config import Config, FitConfig, TrajectoriesConfig
 from calibrate.evaluate import run as eval_run
+from calibrate.fit.predictive_search import BudgetError, budget_floor
 from calibrate.recipe import load_recipe, save_recipe
 from calibrate.schemes import build_baseline
 
@@ -163,6 +164,59 @@ def test_partial_key_names_every_input(tiny):
     kivi, naive = (load_recipe(recipes[n]) for n in ("kivi2", "naive2"))
     assert len({eval_run.partial_key(key, kivi, True), eval_run.partial_key(key, kivi, False),
                 eval_run.partial_key(key, naive, True)}) == 3
+
+
+# ---- 2. budgets are checked before any replay -----------------------------------------------------
+@pytest.fixture
+def no_replay(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the budget was checked only after a replay")
+
+    monkeypatch.setattr(pipeline, "collect", fail)
+
+
+@pytest.mark.parametrize("window,sinks", [(16, 1), (4, 0)])
+def test_a_budget_below_the_predictive_floor_is_refused_before_the_replay(tiny, tmp_path, no_replay, window, sinks):
+    model, weights, _ = tiny
+    cfg = tiny_cfg("calibrate", weights)
+    cfg.model.cache.window, cfg.model.cache.sink_frames = window, sinks
+    floor = budget_floor(as_world(model).info, cfg.fit, window, sinks)
+    assert 1.0 < floor < 1.2
+    cfg.fit = replace(cfg.fit, budget_bits=round(floor - 0.01, 3))
+    with pytest.raises(BudgetError) as e:
+        pipeline.run_calibrate(cfg, tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and f"fit.budget_bits={cfg.fit.budget_bits}" in msg and f"window={window}" in msg
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_floor_is_below_every_recipe_the_fitter_can_make(tiny):
+    """The floor is a lower bound: the narrowest base recipe on real statistics costs more."""
+    from calibrate.fit.predictive_search import KINDS, HeadCode, TensorFit, assemble, moments
+    from calibrate.memory import bits_per_element
+
+    model, _, _ = tiny
+    cfg = Config()
+    cfg.trajectories = TrajectoriesConfig(families=["orbit", "stress"], num_trajectories=2, num_frames=24)
+    cfg.fit = replace(FitConfig(), trace_frames=8, sample_tokens=64)
+    info = as_world(model).info
+    recorder = pipeline.calibration_recording(cfg, model, CPU)
+    coords = recorder.traces[0].rotary_coords
+    for window, sinks in ((16, 1), (4, 1), (1, 0)):
+        for temporal in (True, False):
+            fit_cfg = replace(cfg.fit, temporal=temporal)
+            fits = [{kind: TensorFit(kind, "kpre" if kind == "k" else kind,
+                                     *moments(recorder.stats, "kpre" if kind == "k" else kind, layer),
+                                     [HeadCode(1.0, 1.3, 0.7)] * info.num_kv_heads) for kind in KINDS}
+                    for layer in range(info.num_layers)]
+            cheapest = bits_per_element(info, assemble(info, fits, fit_cfg, coords).scheme, window, sinks)
+            assert budget_floor(info, fit_cfg, window, sinks) <= cheapest
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_budget_is_refused(budget):
+    with pytest.raises(ValueError, match="fit.budget_bits must be a finite number"):
+        replace(FitConfig(), budget_bits=budget).check()
 
 
 # ---- 3. the report never outlives its recipe --------------------------------------------------------

@@ -34,12 +34,13 @@ from calibrate.config import FitConfig
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.fit.predictive import fit_head
 from calibrate.memory import bits_per_element
-from calibrate.quant.predictive import fake_quant_sequence
+from calibrate.quant.predictive import MAX_BITS, fake_quant_sequence
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
 
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
+BASE_WIDTHS = (2.0, 1.75, 1.5, 1.25, 1.0)  # bits per component the base recipe tries, widest first
 
 
 class BudgetError(ValueError):
@@ -178,9 +179,31 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     return recipe, record, fits
 
 
+def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int) -> float:
+    """Bits per element below which no predictive recipe of this model and cache fits, from the
+    memory model alone (no statistics), so a budget under it is refused before any replay.
+
+    The cheapest spec the search can make: every head at the narrowest base width (1 bit per
+    component: D code bits per token), with the mode bit per token, and anchors no wider than
+    any fitted one can be. An anchor holds each coded component at >= 1 bit more than its code
+    (it spans the 2^b - 1 intra levels: ceil(log2(2 (2^b - 1) + 1)) = b + 1) and at most
+    `MAX_BITS` bits of code go to one component, so D code bits make at least D + ceil(D / MAX_BITS)
+    anchor bits. Keys' rotary coordinates (unknown before the replay) are left out. The exact
+    check on the fitted statistics stays with the fit (`BudgetError`).
+    """
+    D = info.head_dim
+    code = int(round(min(BASE_WIDTHS) * D))
+    anchor = code + -(-code // MAX_BITS)
+    spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[code] * info.num_kv_heads,
+                      anchor_token_bits=[anchor] * info.num_kv_heads, temporal=cfg.temporal)
+    scheme = Scheme(name="floor", layers=[LayerSpec(k=spec, v=spec) for _ in range(info.num_layers)],
+                    policy=TokenPolicy(sink_frames=0, recent_frames=0))
+    return bits_per_element(info, scheme, window, sink_frames)
+
+
 def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
     """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget."""
-    for avg in (2.0, 1.75, 1.5, 1.25, 1.0):
+    for avg in BASE_WIDTHS:
         fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
                                  *moments(stats, "kpre" if kind == "k" and pre else kind, l),
                                  [HeadCode(avg, 1.3, 0.7)] * info.num_kv_heads) for kind in KINDS}
