@@ -1,9 +1,14 @@
 """`python -m calibrate`: compose the Hydra config, validate it, dispatch on `task`.
 
-User errors (bad config values, unreadable files, a recipe for another model) print one line
-on stderr and exit 2; `task=check` exits 1 on a quality regression. Outputs go to Hydra's run
-dir (default artifacts/runs/<task>/<time>, override with hydra.run.dir=...); the process never
-changes its working directory.
+User errors (bad config values, unknown keys or group options, unreadable files, a recipe for
+another model) print one line on stderr and exit 2; `task=check` exits 1 on a quality
+regression. Outputs go to Hydra's run dir (default artifacts/runs/<task>/<time>, override with
+hydra.run.dir=...); the process never changes its working directory.
+
+The run's records (`config.yaml`, and Hydra's `.hydra/config.yaml`, `hydra.yaml`,
+`overrides.yaml`) are written once the task has succeeded: Hydra's own copy, written before
+the task runs, is turned off (`hydra.output_subdir: null` in conf/config.yaml), so a failed,
+interrupted or killed rerun into a finished run's directory never relabels its outputs.
 
 Configs: the top-level `conf/` of a source checkout (editable install), else the copy that a
 regular install places inside the package as `calibrate/conf` (pyproject maps it there).
@@ -11,6 +16,7 @@ regular install places inside the package as `calibrate/conf` (pyproject maps it
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 from pathlib import Path
@@ -29,10 +35,89 @@ class CheckFailed(Exception):
     """task=check found a regression (exit 1)."""
 
 
+# ---- overrides checked before Hydra composes --------------------------------------------------
+def _schema_keys() -> list[str]:
+    """Every dotted key of the typed config (calibrate/config.py), nested groups included."""
+    from calibrate.config import Config
+
+    out = []
+
+    def walk(node, prefix: str) -> None:
+        for key in node:
+            path = f"{prefix}{key}"
+            out.append(path)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                walk(child, path + ".")
+
+    walk(OmegaConf.structured(Config), "")
+    return out
+
+
+def _groups() -> dict[str, list[str]]:
+    """Config groups (folders of conf/) and their options."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(CONF_DIR.iterdir())
+            if d.is_dir() and any(d.glob("*.yaml"))}
+
+
+def check_overrides(args: list[str]) -> None:
+    """Unknown keys, unknown group options and unparseable overrides, as one `ValueError` line.
+
+    Hydra rejects them too, but with several lines and exit 1; this checks the command line with
+    Hydra's own parsers first, against the typed schema and the conf/ folders. Overrides of
+    Hydra's own settings (`hydra.*`) and forms it handles specially (`group@package`, deletions,
+    glob sweeps) are left to Hydra.
+    """
+    from hydra._internal.utils import get_args_parser  # Hydra's argv parser (hydra-core 1.3): the same split it makes
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, parsed = OverridesParser.create(), []
+    for override in get_args_parser().parse_args(args).overrides:
+        try:
+            parsed += parser.parse_overrides([override])
+        except HydraException as e:
+            raise ValueError(f"config: cannot parse the override '{override}': {str(e).splitlines()[0]}") from None
+    groups = _groups()
+    keys = None
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra" or o.is_hydra_override() or o.package is not None or o.is_delete():
+            continue
+        if key in groups:
+            if o.is_sweep_override() and not (o.is_choice_sweep() and o.value_type.name != "GLOB_CHOICE_SWEEP"):
+                continue
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+            for value in values:
+                if value not in groups[key]:
+                    raise ValueError(f"config: unknown option '{value}' for {key}; choose one of {', '.join(groups[key])}")
+            continue
+        keys = keys if keys is not None else _schema_keys()
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys + list(groups), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"config: unknown key '{key}'{hint}; `python -m calibrate --cfg job` lists them all")
+
+
+# ---- the task ---------------------------------------------------------------------------------
+def write_records(cfg: DictConfig, config, out_dir: Path) -> None:
+    """The run's records, once the task succeeded: the typed config and what Hydra would have
+    written to `.hydra/` before the task (composed config, Hydra's config, the overrides)."""
+    from calibrate.io import write_text_atomic
+
+    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    records = out_dir / ".hydra"
+    write_text_atomic(records / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(records / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
+    write_text_atomic(records / "overrides.yaml", OmegaConf.to_yaml(hc.overrides.task))
+
+
 def run(cfg: DictConfig) -> dict:
     from calibrate import pipeline
     from calibrate.config import to_config
-    from calibrate.io import write_text_atomic
 
     config = to_config(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(".")
@@ -42,7 +127,7 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"task '{config.task}' is not implemented yet")
     result = task(config, out_dir)
     # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs
-    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+    write_records(cfg, config, out_dir)
     if config.task == "check" and not result.get("passed", False):
         raise CheckFailed(result.get("summary", "check failed"))
     return result
@@ -59,12 +144,18 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: finished work is kept in the run directory", file=sys.stderr)
+        print("interrupted: finished work is kept in the run directory; rerun the same command with the same "
+              "hydra.run.dir to resume", file=sys.stderr)
         sys.exit(130)
     log.info("done: %s", ", ".join(f"{k}={v}" for k, v in result.items() if isinstance(v, (str, int, float, bool))))
 
 
 def main() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
 
 
