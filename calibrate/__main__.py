@@ -10,6 +10,9 @@ The run's records (`config.yaml`, and Hydra's `.hydra/config.yaml`, `hydra.yaml`
 the task runs, is turned off (`hydra.output_subdir: null` in conf/config.yaml), so a failed,
 interrupted or killed rerun into a finished run's directory never relabels its outputs.
 
+Torch's CPU threads: `OMP_NUM_THREADS` when set, else the CPUs this process may use that other
+work is not already keeping busy (`torch_threads`); the choice is logged.
+
 Configs: the top-level `conf/` of a source checkout (editable install), else the copy that a
 regular install places inside the package as `calibrate/conf` (pyproject maps it there).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +38,45 @@ log = logging.getLogger("calibrate")
 
 class CheckFailed(Exception):
     """task=check found a regression (exit 1)."""
+
+
+# ---- torch threads ------------------------------------------------------------------------------
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup (v2) CPU quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 limit to read
+        pass
+    return max(cpus, 1)
+
+
+def torch_threads() -> tuple[int, str]:
+    """(intra-op threads, why): `OMP_NUM_THREADS` when set; else the usable CPUs less the load
+    other work puts on them (the 1-minute load average), at least 1.
+
+    Torch defaults to one thread per physical core. On a CPU that other processes keep busy its
+    threads wait on each other at every operation (TinyWorld's operations are small and many):
+    measured on 2 cores with one other busy process, an evaluation took 16x longer with 2 threads
+    than with 1. Results do not depend on the thread count (README: "Runs, resuming and threads").
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    cpus = usable_cpus()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = max(1, min(cpus, cpus - round(load)))
+    return n, f"{cpus} usable CPUs, load average {load:.1f}; set OMP_NUM_THREADS to choose"
+
+
+def set_torch_threads() -> None:
+    import torch
+
+    n, why = torch_threads()
+    torch.set_num_threads(n)
+    log.info("torch threads: %d (%s)", n, why)
 
 
 # ---- overrides checked before Hydra composes --------------------------------------------------
@@ -136,6 +180,7 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
+        set_torch_threads()
         result = run(cfg)
     except CheckFailed as e:
         print(f"check failed: {e}", file=sys.stderr)

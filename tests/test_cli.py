@@ -304,6 +304,7 @@ def test_stats_smoke_writes_fixed_names(tmp_path):
     assert "task: stats" in (run_dir / ".hydra" / "config.yaml").read_text()
     assert "trajectories.num_frames=8" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "run:" in (run_dir / ".hydra" / "hydra.yaml").read_text()
+    assert "torch threads: 1 (OMP_NUM_THREADS)" in (run_dir / "__main__.log").read_text()
 
 
 def test_a_failed_rerun_leaves_a_finished_runs_records_alone(tiny, tmp_path, capsys):
@@ -319,6 +320,20 @@ def test_a_failed_rerun_leaves_a_finished_runs_records_alone(tiny, tmp_path, cap
                                   capsys)
     assert code == 2, err
     assert {p: p.read_bytes() for p in run_dir.rglob("*.yaml")} == records
+
+
+def test_torch_threads_follow_omp_num_threads_else_the_idle_cpus(monkeypatch):
+    import calibrate.__main__ as cli
+
+    assert 1 <= cli.usable_cpus() <= (os.cpu_count() or 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.torch_threads()[0] == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 8)
+    for load, threads in ((0.0, 8), (2.4, 6), (7.6, 1), (30.0, 1)):
+        monkeypatch.setattr(cli.os, "getloadavg", lambda: (load, 0.0, 0.0))
+        n, why = cli.torch_threads()
+        assert n == threads and "8 usable CPUs" in why and "OMP_NUM_THREADS" in why
 
 
 def test_help_lists_the_tasks():
