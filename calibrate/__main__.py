@@ -114,10 +114,14 @@ def check_overrides(args: list[str]) -> None:
     """
     from hydra._internal.utils import get_args_parser  # Hydra's argv parser (hydra-core 1.3): the same split it makes
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
+    parsed_args = get_args_parser().parse_args(args)
+    if parsed_args.shell_completion:  # its "overrides" are install=bash, query=...: not config keys
+        return
     parser, parsed = OverridesParser.create(), []
-    for override in get_args_parser().parse_args(args).overrides:
+    for override in parsed_args.overrides:
         try:
             parsed += parser.parse_overrides([override])
         except HydraException as e:
@@ -129,8 +133,8 @@ def check_overrides(args: list[str]) -> None:
         if key == "hydra" or o.is_hydra_override() or o.package is not None or o.is_delete():
             continue
         if key in groups:
-            if o.is_sweep_override() and not (o.is_choice_sweep() and o.value_type.name != "GLOB_CHOICE_SWEEP"):
-                continue
+            if o.is_sweep_override() and not (o.is_choice_sweep() and o.value_type != ValueType.GLOB_CHOICE_SWEEP):
+                continue  # ranges and globs of options: Hydra expands them
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
             for value in values:
                 if value not in groups[key]:

@@ -270,6 +270,32 @@ def test_fit_twice_gives_byte_identical_recipe_files(model, tmp_path):
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
+@pytest.mark.slow  # 2 threads on a busy 2-core machine: minutes
+def test_thread_count_does_not_change_the_recipe_or_the_rollouts(model):
+    """The CLI picks torch's thread count from the machine's load (__main__.torch_threads): a
+    recipe and its evaluation must not depend on it."""
+    from calibrate.evaluate.run import evaluate
+    from calibrate.recipe import to_bytes
+    from calibrate.world.trajectories import make_trajectories
+
+    cfg = Config()
+    cfg.trajectories = TrajectoriesConfig(families=["orbit", "stress"], num_trajectories=2, num_frames=12)
+    cfg.fit = replace(FitConfig(), closed_loop_frames=8, closed_loop_trajectories=1, trace_frames=8, sample_tokens=128)
+    trajs = make_trajectories(["orbit", "revisit"], "evaluation", 2, 24)
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            recipe, _ = pipeline.fit(cfg, model, CPU)
+            run = evaluate(as_world(model), {"fitted": recipe}, trajs, 16, 1, CPU, keep_frames=True)["fitted"]
+            out.append((to_bytes(recipe), run.frames[0]["reference"], run.frames[0]["quantized"]))
+    finally:
+        torch.set_num_threads(threads)
+    assert out[0][0] == out[1][0]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
+
+
 # ---- non-finite K/V are reported with layer, head and frame -----------------------------------
 def k_index(head: int, channel: int = 3) -> int:
     """Output index of qkv (laid out [3, H, D]) of K's `channel` in `head`."""
