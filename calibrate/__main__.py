@@ -60,7 +60,8 @@ def torch_threads() -> tuple[int, str]:
     Torch defaults to one thread per physical core. On a CPU that other processes keep busy its
     threads wait on each other at every operation (TinyWorld's operations are small and many):
     measured on 2 cores with one other busy process, an evaluation took 16x longer with 2 threads
-    than with 1. Results do not depend on the thread count (README: "Runs, resuming and threads").
+    than with 1. Results did not change with the thread count where checked (a slow test in
+    tests/test_reliability.py; README: "Runs, resuming and threads").
     """
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:

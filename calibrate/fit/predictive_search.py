@@ -40,7 +40,7 @@ from calibrate.stats import KVStats
 
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
-BASE_WIDTHS = (2.0, 1.75, 1.5, 1.25, 1.0)  # bits per component the base recipe tries, widest first
+MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
 
 
 class BudgetError(ValueError):
@@ -192,7 +192,7 @@ def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int)
     check on the fitted statistics stays with the fit (`BudgetError`).
     """
     D = info.head_dim
-    code = int(round(min(BASE_WIDTHS) * D))
+    code = int(round(MIN_BASE_BITS * D))
     anchor = code + -(-code // MAX_BITS)
     spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[code] * info.num_kv_heads,
                       anchor_token_bits=[anchor] * info.num_kv_heads, temporal=cfg.temporal)
@@ -203,7 +203,7 @@ def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int)
 
 def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
     """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget."""
-    for avg in BASE_WIDTHS:
+    for avg in (2.0, 1.75, 1.5, 1.25, 1.0):
         fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
                                  *moments(stats, "kpre" if kind == "k" and pre else kind, l),
                                  [HeadCode(avg, 1.3, 0.7)] * info.num_kv_heads) for kind in KINDS}
