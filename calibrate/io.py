@@ -3,6 +3,9 @@
 Everything the project writes goes through here: a temporary file next to the target,
 flushed and fsynced, then renamed onto the target (a rename within one directory is atomic on
 POSIX and Windows). On any error the temporary file is removed and the target is untouched.
+A process killed mid-write (SIGKILL, power loss) cannot remove its temporary file; the name
+carries the writer's process id (`.<target>.pid<N>.<random>.tmp`), and the next write into the
+same directory removes those whose writer is no longer running.
 
 Every file the project reads back (recipes, statistics, trajectories, weights) is a
 safetensors file whose metadata names its `format` and `format_version` (major.minor: a
@@ -13,6 +16,7 @@ raising one line that names the file and what is wrong.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,15 +31,49 @@ def _umask() -> int:
     return mask
 
 
+_TEMP = re.compile(r"^\..+\.pid(\d+)\.[^.]+\.tmp$")  # write_atomic's temporary names
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of `write_atomic` calls in `directory` whose process is gone
+    (killed mid-write); returns what was removed. Another running writer's files are kept."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid() or _running(int(m.group(1))):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except FileNotFoundError:  # another writer cleaned it first
+            pass
+    return removed
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(f)`` on a temporary file next to ``path``, then rename it onto ``path``.
 
     The parent directory is created if needed; on any error the temporary file is removed and
-    ``path`` is left as it was.
+    ``path`` is left as it was. Temporary files of killed writers in that directory are removed.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temporaries(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

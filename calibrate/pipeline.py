@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,13 +22,14 @@ from calibrate.adapters import AdapterError, TinyWorldAdapter, WorldAdapter, as_
 from calibrate.config import Config, ModelConfig, resolve_split
 from calibrate.evaluate import plots
 from calibrate.evaluate import report as report_mod
-from calibrate.evaluate.html import write_report_html
+from calibrate.evaluate.html import TRAP_SENTENCE, write_report_html
 from calibrate.evaluate.report import summary_metrics
-from calibrate.evaluate.run import evaluate
-from calibrate.evaluate.sheets import FrameSheets
+from calibrate.evaluate.run import evaluate, setting_key
+from calibrate.evaluate.sheets import (REFERENCE, FrameSheets, SheetError, decode_sheet, quantized_stream, read_stream,
+                                       sheet_frames, undo_difference)
 from calibrate.evaluate.strips import write_strip
 from calibrate.fit.objective import LayerTrace
-from calibrate.fit.predictive_search import fit_predictive, rescaled
+from calibrate.fit.predictive_search import BudgetError, budget_floor, fit_predictive, rescaled
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.fit.select import choose, closed_loop_scores, record_choice
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
@@ -198,28 +199,67 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
 
 
 # ---- task=evaluate / task=compare ----------------------------------------------------------------
-def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], model: World,
-                        device: torch.device, command: str) -> dict:
+@dataclass
+class Evaluation:
+    """What `evaluate_schemes` measured, for `write_report`."""
+
+    runs: dict
+    report: dict
+    sheets: FrameSheets | None  # wrote the frames of report.html's players (None: eval.strips=false)
+
+
+def frame_sheets(cfg: Config, out_dir: Path, model: World, trajs: list[Trajectory], device: torch.device) -> FrameSheets | None:
+    """report.html's frame sheets, under a directory keyed like the partial results they go with
+    (`evaluate.run.setting_key`), so sheets of another model, trajectory set or cache never mix in."""
+    if not cfg.eval.strips:
+        return None
+    key = setting_key(as_world(model).info, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames,
+                      cfg.trajectories.batch_size, device)
+    return FrameSheets(out_dir / "partial" / "frames" / key, as_world(model).preview)
+
+
+def evaluate_schemes(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], model: World,
+                     device: torch.device) -> Evaluation:
+    """Roll every recipe out on the configured trajectories (finished batches of an earlier run into
+    the same `out_dir` are reused when their key matches: evaluate/run.py) and build the report."""
     trajs = trajectory_set(cfg)
     partial = out_dir / "partial"
     partial.mkdir(parents=True, exist_ok=True)
-    sheets = FrameSheets(partial / "frames", as_world(model).preview) if cfg.eval.strips else None  # report.html's players
+    sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
                     cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames,
                     on_rollout=sheets)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
-    images = write_figures(rep, runs, out_dir, cfg.eval.strips, as_world(model).preview)
-    write_json(out_dir / "report.json", rep)
-    write_text_atomic(out_dir / "report.md", report_mod.markdown(rep, command, images))
-    write_report_html(out_dir / "report.html", rep, runs, sheets, command)
+    return Evaluation(runs, rep, sheets)
+
+
+def write_report(cfg: Config, out_dir: Path, ev: Evaluation, model: World, command: str) -> dict:
+    """report.json, report.md, report.html, plots and strips (and frames.safetensors); prints the
+    blind-spot table and where the report is."""
+    images = write_figures(ev.report, ev.runs, out_dir, cfg.eval.strips, as_world(model).preview, ev.sheets)
+    write_json(out_dir / "report.json", ev.report)
+    write_text_atomic(out_dir / "report.md", report_mod.markdown(ev.report, command, images))
+    write_report_html(out_dir / "report.html", ev.report, ev.runs, ev.sheets, command)
     if cfg.eval.save_frames:
-        save_frames(out_dir / "frames.safetensors", runs)
-    print(report_mod.blind_spot_markdown(rep))
-    return rep
+        save_frames(out_dir / "frames.safetensors", ev.runs)
+    print(report_mod.blind_spot_markdown(ev.report))
+    print_report_paths(out_dir)
+    return ev.report
 
 
-def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool, preview=lambda frames: frames) -> dict[str, str]:
+def print_report_paths(out_dir: Path) -> None:
+    print(f"report: {out_dir / 'report.md'} and {out_dir / 'report.html'} (open in a browser)")
+    print(TRAP_SENTENCE)
+
+
+def evaluate_and_report(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], model: World,
+                        device: torch.device, command: str) -> dict:
+    return write_report(cfg, out_dir, evaluate_schemes(cfg, out_dir, recipes, model, device), model, command)
+
+
+def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool, preview=lambda frames: frames,
+                  sheets: FrameSheets | None = None) -> dict[str, str]:
     schemes = rep["schemes"]
     images = {
         "PSNR vs the fp rollout per frame": plots.plot_psnr_curves(
@@ -233,10 +273,33 @@ def write_figures(rep: dict, runs: dict, out_dir: Path, strips: bool, preview=la
         images["Attention KL(fp || quant) per layer"] = plots.plot_layer_heatmap(kl, out_dir / "attention_kl.png").name
     if strips:
         for name, run in runs.items():
-            if run.worst is not None:
-                path = write_strip(preview(run.worst[1]), preview(run.worst[2]), out_dir / f"strip_{name}.gif", max_frames=96)
+            frames = worst_rollout(name, run, sheets, preview)
+            if frames is not None:
+                path = write_strip(*frames, out_dir / f"strip_{name}.gif", max_frames=96)
                 images[f"Worst trajectory, {name} (reference | quantized | error x4)"] = path.name
     return images
+
+
+def worst_rollout(name: str, run, sheets: FrameSheets | None, preview) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(reference, quantized) RGB frames [N, 3, H, W] in [0, 1] of the scheme's worst trajectory
+    (lowest mean PSNR vs fp), for its strip. From the frame sheets when the run has them: the
+    frames report.html plays, there for every trajectory also when a resumed run reused batches
+    it did not roll out again; else the worst rollout this run kept (`SchemeRun.worst`)."""
+    if sheets is not None and not sheets.note and run.trajs:
+        i = min(range(len(run.trajs)), key=lambda j: float(run.trajs[j].series["psnr_ref"].mean()))
+        n = len(run.trajs[i].series["psnr_ref"])
+        try:
+            ref, quant = (torch.cat([decode_sheet(data, sheet_frames(n, k)) for k, data in
+                                     enumerate(read_stream(sheets.directory, stream, i, n)[0])])
+                          for stream in (REFERENCE, quantized_stream(name)))
+        except SheetError as e:  # report.html names the damaged sheet too
+            log.warning("strip of %s: %s", name, e)
+            return None
+        as_float = lambda frames_NHW3: frames_NHW3.permute(0, 3, 1, 2).float() / 255
+        return as_float(ref), as_float(undo_difference(quant, ref))
+    if run.worst is None:
+        return None
+    return preview(run.worst[1]), preview(run.worst[2])
 
 
 def save_frames(path: Path, runs: dict) -> None:
@@ -302,12 +365,31 @@ def calibration_recording(cfg: Config, model: World, device: torch.device) -> Re
     return collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
 
 
+def check_budget(cfg: Config, info) -> None:
+    """fit.budget_bits against the least the configured code can store for this model and cache,
+    from the memory model before any replay: a budget no recipe can meet fails in seconds.
+
+    Predictive codes: `budget_floor` (no statistics needed; the fit checks the exact base width
+    on the fitted statistics as the backstop). Scalar codes: `FitConfig.check` refuses budgets
+    under the 2 bits of their codes; what their parameters add depends on the fitted choices.
+    """
+    if cfg.fit.code != "predictive":
+        return
+    window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
+    floor = budget_floor(info, cfg.fit, window, sink)
+    if cfg.fit.budget_bits < floor - 1e-9:
+        raise BudgetError(f"config: fit.budget_bits={cfg.fit.budget_bits} is below {floor:.3f} bits per element, the "
+                          f"least a predictive code stores for this model with model.cache.window={window} and "
+                          f"sink_frames={sink} (1 bit per component, a mode bit per token, an anchor frame per window)")
+
+
 def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
     """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
     info = as_world(model).info
     trajs = trajectory_set(cfg)
     check_fit_config(cfg.fit, info)  # before the replay, not after it
+    check_budget(cfg, info)
     recorder = recorder or calibration_recording(cfg, model, device)
     traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
     if cfg.fit.code == "predictive":
@@ -358,6 +440,8 @@ def check_preset_budget(cfg: Config, info) -> None:
 
 
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
+    """Fit (or build a preset), evaluate on held-out and check trajectories, write the recipe, then
+    the report: a report in the run dir always goes with the recipe next to it."""
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
     check_preset_budget(cfg, as_world(model).info)
@@ -367,8 +451,8 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
         recipe, _ = fit(cfg, model, device)
     recipe.path = None
     eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
-    rep = evaluate_and_report(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device, _command())
-    metrics = {"evaluation": summary_metrics(rep)}
+    ev = evaluate_schemes(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device)
+    metrics = {"evaluation": summary_metrics(ev.report)}
     check_cfg = gate.check_trajectories(cfg)
     check_rep = report_mod.build(
         evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
@@ -376,10 +460,13 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
         [], {}, cfg.eval.psnr_threshold_db)
     metrics["check"] = summary_metrics(check_rep)
     recipe.metadata["metrics"] = json.dumps(metrics, sort_keys=True)
+    for name in ("report.json", "report.md", "report.html"):  # an earlier run's report must not outlive its recipe
+        (out_dir / name).unlink(missing_ok=True)
     path = out_dir / "recipe.safetensors"
     save_recipe(recipe, path)
     print(f"recipe: {path}  ({metrics['evaluation']['bits_per_element']:.3f} bits/element, "
           f"held-out psnr_ref {metrics['evaluation']['psnr_ref_all']:.2f} dB)")
+    write_report(eval_cfg, out_dir, ev, model, _command())
     return {"recipe": str(path), "metrics": metrics}
 
 
@@ -391,8 +478,9 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     recipe = load_recipe(cfg.recipe, as_world(model).info)
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
         cfg = gate.check_trajectories(cfg)  # the default set of a check is the check set
-    sheets = FrameSheets(out_dir / "partial" / "frames", as_world(model).preview) if cfg.eval.strips else None
-    runs = evaluate(as_world(model), {"recipe": recipe}, trajectory_set(cfg), cfg.model.cache.window,
+    trajs = trajectory_set(cfg)
+    sheets = frame_sheets(cfg, out_dir, model, trajs, device)
+    runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
                     cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
@@ -402,6 +490,7 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
     write_report_html(out_dir / "report.html", rep, runs, sheets, _command(), check=result)
     print(gate.markdown_table(result["criteria"]))
+    print(f"report: {out_dir / 'report.html'} (open in a browser); {out_dir / 'check.json'}, {out_dir / 'check.xml'}")
     return result
 
 

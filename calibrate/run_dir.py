@@ -1,8 +1,8 @@
 """A Hydra callback that checks the run directory before Hydra creates it.
 
-Hydra creates the run dir and writes `.hydra/*.yaml` before calling the task, so an unwritable
-`hydra.run.dir` would otherwise surface as Hydra's own traceback (exit 1). This turns it into
-the CLI's contract: one line on stderr and exit 2.
+Hydra creates the run dir before calling the task, so an unwritable `hydra.run.dir` would
+otherwise surface as Hydra's own traceback (exit 1). This turns it into the CLI's contract: one
+line on stderr and exit 2.
 """
 
 from __future__ import annotations

@@ -8,13 +8,22 @@ per-frame series are computed against the fp rollout and the ground truth. Memor
 from the runtime's tensors at the end of the rollout (steady state).
 
 Each finished (scheme, batch) is written to `partial/<scheme>.<batch>.safetensors` in the run
-dir; a run restarted with the same `hydra.run.dir` picks those up instead of recomputing.
+dir; a run restarted with the same `hydra.run.dir` picks those up instead of recomputing. A
+partial file is keyed by everything its numbers depend on (`partial_key`: the recipe's bytes,
+the model's weights fingerprint, the trajectories and how they are batched, window, sinks,
+attention metrics, device type): a file of another key, e.g. of another recipe under the same
+scheme name, is recomputed and overwritten, with one line in the log saying so. Frame sheets
+(`on_rollout`) are written before the partial file they go with, so a partial file that is
+reused always has its sheets on disk (under a directory the caller keys by `setting_key`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -24,15 +33,18 @@ from tqdm import tqdm
 from calibrate.adapters.base import WorldAdapter
 from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
-from calibrate.recipe import Recipe
+from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
 from calibrate.memory import fp16_cache_bytes
 from calibrate.runtime import QuantizedKVCache
 from calibrate.shadow import ShadowCache
-from calibrate.types import Trajectory
+from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import revisit_pairs
 
+log = logging.getLogger(__name__)
+
 SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")
+PARTIAL_VERSION = "2"  # partial files without this version (or key) are recomputed
 
 
 @dataclass
@@ -79,11 +91,48 @@ def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Te
     return out
 
 
-def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict) -> None:
-    tensors = {f"{i}.{k}": v.float().contiguous() for i, r in enumerate(results) for k, v in r.series.items()}
-    meta = {"memory": json.dumps(memory), "attention": json.dumps(attention),
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def setting_key(info: ModelInfo, trajs: list[Trajectory], window: int, sink_frames: int, batch_size: int,
+                device: torch.device) -> str:
+    """What every scheme's rollout in an evaluation depends on besides its recipe: the model's
+    weights, the trajectories (their poses and actions, not just their names) and their batches,
+    the cache's window and sinks, the device type (float arithmetic differs between devices)."""
+    h = hashlib.sha256()
+    for t in trajs:
+        h.update(f"{t.family}/{t.seed}/{t.num_frames};".encode())
+        h.update(t.poses.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(t.actions.detach().float().cpu().contiguous().numpy().tobytes())
+    return _digest({"version": PARTIAL_VERSION, "model": info.fingerprint, "trajectories": h.hexdigest(),
+                    "window": window, "sink_frames": sink_frames, "batch_size": batch_size, "device": device.type})
+
+
+def partial_key(setting: str, recipe: Recipe, attention: bool) -> str:
+    """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics computed."""
+    return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention})
+
+
+def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict, key: str, frames: bool) -> None:
+    # float64 as computed: a resumed run's report is the uninterrupted run's, to the last bit
+    tensors = {f"{i}.{k}": v.double().contiguous() for i, r in enumerate(results) for k, v in r.series.items()}
+    meta = {"memory": json.dumps(memory), "attention": json.dumps(attention), "key": key, "frames": str(int(frames)),
             "trajs": json.dumps([[r.family, r.seed, r.revisit_q, r.revisit_fp, r.static_q, r.static_fp] for r in results])}
     write_bytes_atomic(path, safetensors_bytes(tensors, meta))
+
+
+def _partial_meta(path: Path) -> dict[str, str] | None:
+    """A partial file's metadata; None if there is no readable file."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # safetensors raises several types for a bad header: the file is recomputed
+        return {}
 
 
 def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
@@ -99,6 +148,36 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
     return results, json.loads(meta["memory"]), json.loads(meta["attention"])
 
 
+def _reusable(partial_dir: Path | None, keys: dict[str, str], num_batches: int, need_frames: bool,
+              keep_frames: bool) -> dict[str, set[int]]:
+    """Per scheme, the batches whose partial file holds results of the same key (with their frame
+    sheets if `need_frames`). A scheme with files of another key gets one line in the log; those
+    files are removed, so they can never be taken for the frame sheets written next."""
+    out: dict[str, set[int]] = {name: set() for name in keys}
+    if partial_dir is None or keep_frames:  # frames.safetensors needs every rollout's frames
+        return out
+    for name, key in keys.items():
+        stale, other_key = [], False
+        for bi in range(num_batches):
+            path = partial_dir / f"{name}.{bi}.safetensors"
+            meta = _partial_meta(path)
+            if meta is None:
+                continue
+            if meta.get("key") == key and (meta.get("frames") == "1" or not need_frames):
+                out[name].add(bi)
+            else:
+                stale.append(path)
+                other_key = other_key or meta.get("key") != key
+        if stale:
+            why = ("were computed for another recipe or setting (model, trajectories, window, sinks, device or metrics)"
+                   if other_key else "have no frame sheets")
+            log.warning("partial results of '%s' in %s %s: recomputing %d of %d batches", name, partial_dir, why,
+                        len(stale), num_batches)
+            for path in stale:
+                path.unlink(missing_ok=True)
+    return out
+
+
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
              keep_frames: bool = False, on_rollout=None) -> dict[str, SchemeRun]:
@@ -112,17 +191,26 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     groups = batches(trajs, batch_size)
     layers = world.info.num_layers
     attn_sums = {name: None for name in recipes}
+    partial_dir = Path(partial_dir) if partial_dir is not None else None
+    keys = {}
+    if partial_dir is not None:
+        setting = setting_key(world.info, trajs, window, sink_frames, batch_size, device)
+        keys = {name: partial_key(setting, r, attention) for name, r in recipes.items()}
+    reuse = _reusable(partial_dir, keys, len(groups), on_rollout is not None, keep_frames)
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
     first = 0
     for bi, group in enumerate(groups):
-        todo = [n for n in recipes if not (partial_dir and (partial_dir / f"{n}.{bi}.safetensors").exists())]
-        truth = world.ground_truth(group, device)
-        has_truth = truth is not None
-        shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
-        fp_cache = ShadowCache(layers, window, sink_frames, shadows)
-        ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
-        if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
-            truth = ref
+        todo = [n for n in recipes if bi not in reuse.get(n, ())]
+        ref = truth = None
+        has_truth = False
+        if todo:  # the fp reference is rolled out only for schemes that are computed
+            truth = world.ground_truth(group, device)
+            has_truth = truth is not None
+            shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
+            fp_cache = ShadowCache(layers, window, sink_frames, shadows)
+            ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
+            if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
+                truth = ref
         for name in recipes:
             path = partial_dir / f"{name}.{bi}.safetensors" if partial_dir else None
             if name not in todo:
@@ -135,11 +223,11 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
                           "fp16_bytes": fp16_cache_bytes(recipes[name].model, n, window, sink_frames, len(group))}
                 attn = fp_cache.errors[name].sums if attention else {}
-                if path is not None:
-                    _save_partial(path, results, memory, attn)
                 _track_worst(runs[name], results, ref, quant)
-                if on_rollout is not None:
+                if on_rollout is not None:  # before the partial file: a reused file always has its sheets
                     on_rollout(name, first, ref, quant, truth if has_truth else None)
+                if path is not None:
+                    _save_partial(path, results, memory, attn, keys[name], on_rollout is not None)
                 if keep_frames:
                     runs[name].frames = (runs[name].frames or []) + [
                         {"reference": ref.cpu(), "quantized": quant.cpu(), "ground_truth": truth.cpu()}]

@@ -34,12 +34,13 @@ from calibrate.config import FitConfig
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.fit.predictive import fit_head
 from calibrate.memory import bits_per_element
-from calibrate.quant.predictive import fake_quant_sequence
+from calibrate.quant.predictive import MAX_BITS, fake_quant_sequence
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
 
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
+MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
 
 
 class BudgetError(ValueError):
@@ -176,6 +177,28 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     record["head_bits"] = {f"{i}.{kind}": [c.avg_bits for c in pair[kind].heads] for i, pair in enumerate(fits)
                            for kind in KINDS}
     return recipe, record, fits
+
+
+def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int) -> float:
+    """Bits per element below which no predictive recipe of this model and cache fits, from the
+    memory model alone (no statistics), so a budget under it is refused before any replay.
+
+    The cheapest spec the search can make: every head at the narrowest base width (1 bit per
+    component: D code bits per token), with the mode bit per token, and anchors no wider than
+    any fitted one can be. An anchor holds each coded component at >= 1 bit more than its code
+    (it spans the 2^b - 1 intra levels: ceil(log2(2 (2^b - 1) + 1)) = b + 1) and at most
+    `MAX_BITS` bits of code go to one component, so D code bits make at least D + ceil(D / MAX_BITS)
+    anchor bits. Keys' rotary coordinates (unknown before the replay) are left out. The exact
+    check on the fitted statistics stays with the fit (`BudgetError`).
+    """
+    D = info.head_dim
+    code = int(round(MIN_BASE_BITS * D))
+    anchor = code + -(-code // MAX_BITS)
+    spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[code] * info.num_kv_heads,
+                      anchor_token_bits=[anchor] * info.num_kv_heads, temporal=cfg.temporal)
+    scheme = Scheme(name="floor", layers=[LayerSpec(k=spec, v=spec) for _ in range(info.num_layers)],
+                    policy=TokenPolicy(sink_frames=0, recent_frames=0))
+    return bits_per_element(info, scheme, window, sink_frames)
 
 
 def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
