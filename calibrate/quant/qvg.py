@@ -61,8 +61,13 @@ KMEANS_TOL = 1e-4
 
 
 def round_half_away(x: Tensor) -> Tensor:
-    """Round to nearest, ties away from zero (CUDA `roundf`, the package's real path)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """Round to nearest, ties away from zero (CUDA `roundf`, the package's real path).
+
+    Exactly: t = trunc(x), then one step away from zero if the (exact) remainder |x - t| is at
+    least 1/2. `floor(|x| + 0.5)` is not exact in float32: 0.49999997 + 0.5 rounds to 1.
+    """
+    t = torch.trunc(x)
+    return t + torch.where((x - t).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
 
 
 def fp8_e4m3(x: Tensor) -> Tensor:
