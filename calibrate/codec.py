@@ -26,6 +26,14 @@ Order of operations for one head (x of shape [B, T, D]; B batch, T tokens, D hea
 
 Decoding runs the steps backwards: unpack, dequantize, put sparse values and outlier channels
 back, add the centroid, rotate back with R^T.
+
+Every float step is the exact arithmetic of recipes/FORMAT.md ("Arithmetic"), so a runtime
+written from the document alone stores the same bytes and decodes the same floats (the numpy
+reader, recipes/reader.py, is held to that by tests/test_reader_exact.py): float32 in the
+written order; products with the rotation, the compensator, the QJL sketch, and norms and
+distances, are the fixed-order sums of quant/ordered.py (not BLAS: its order changes the last bit
+and, at a rounding boundary, the code); ties go to the lowest index (nearest level or centroid,
+sparse positions); a clip ratio is a float32; the scale floor is float16's smallest subnormal.
 """
 
 from __future__ import annotations
@@ -136,7 +144,7 @@ def subsample_indices(num_levels: int, n: int) -> Tensor:
 # ---- code kinds: how the prepared y becomes codes and dynamic parameters, and back ------------
 # A kind is a pair of pure functions plus the bytes its codes and dynamic parameters take.
 # `spec.kind` picks one; a new kind (a vector codebook, say) is one more entry in CODE_KINDS, its
-# name in recipe.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
+# name in recipe_schema.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
 # fitter (ARCHITECTURE.md). The memory model counts its bytes through `frame_nbytes` below.
 def _uniform_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
     D = y.shape[-1]

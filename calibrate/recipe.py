@@ -49,6 +49,12 @@ key-error variance in the code basis, times the fitted strength; quant/logit_noi
 
 and a token policy: `sink_frames` frames at `sink_bits`, the newest `recent_frames` frames at
 `recent_bits`, every `keyframe_interval`-th frame at `keyframe_bits` (0 = none).
+
+Loading is strict: every metadata field has one JSON type and range (recipe_schema.py, the
+table of FORMAT.md), tensor names follow `layers.{i}.{k|v}.{role}` with i in decimal without
+leading zeros, each role has one dtype (float32, or int64), and `format_version` is MAJOR.MINOR.
+Nothing is coerced: a value a foreign reader would read differently is an error naming the file
+and the field.
 """
 
 from __future__ import annotations

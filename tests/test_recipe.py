@@ -361,7 +361,7 @@ def _spec_recipe(spec: TensorSpec, tensors: dict) -> Recipe:
 
 
 VALIDATOR_GAPS = {
-    # the codec raises ValueError at the first encode instead
+    # nearest-level search needs sorted rows (FORMAT.md: checked on load)
     "unsorted_codebook": (TensorSpec(bits=2, kind="codebook"), {"codebook": torch.tensor([[1.0, -1, 0.5, -0.5]] * 2)}),
     # the centroid index is stored as uint8: index 300 would wrap to 44
     "centroids_over_256": (TensorSpec(bits=2, centroids=300), {"centroids": torch.zeros(2, 300, 8)}),
