@@ -68,8 +68,8 @@ import torch
 
 from calibrate import predictive_roles
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
-from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, POLICY_FIELDS, ROTATIONS, SPEC_FIELDS,
-                                     FieldError, check_version, parse_object, parse_tensor_name)
+from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, POLICY_FIELDS, ROTATIONS,  # noqa: F401
+                                     SPEC_FIELDS, FieldError, check_version, parse_object, parse_tensor_name)
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
@@ -79,7 +79,8 @@ OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 INT_ROLES = ("outlier_channels",) + predictive_roles.INT_ROLES  # int64; every other role is float32
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
                "comp_down", "comp_up", "logit_bias", "lloyd_max", "qjl") + predictive_roles.ROLES[1:]
-# TensorSpec.kind (recipe_schema.CODE_KINDS): codec.py implements the per-frame kinds, chain.py the predictive one
+# TensorSpec.kind (CODE_KINDS, ALLOWED_BITS and ROTATIONS live in recipe_schema and are re-exported here): codec.py
+# implements the per-frame kinds, chain.py the predictive one
 TURBO_KINDS = ("turbo", "turbo_prod")
 
 

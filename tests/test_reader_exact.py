@@ -10,7 +10,6 @@ runtime's integer states: tests/test_reader.py.)
 """
 
 import importlib.util
-import re
 from pathlib import Path
 
 import numpy as np

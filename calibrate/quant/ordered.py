@@ -44,15 +44,30 @@ def tree_sum(t: Tensor) -> Tensor:
     return t[..., 0]
 
 
+def _tree_sum_first(t: Tensor) -> Tensor:
+    """`tree_sum` over the first axis of a tensor this module owns, in place: [n, ...] -> [...].
+
+    The halves t[:n-m] and t[m:n] never overlap, so each level is one in-place addition of
+    contiguous slabs (the same additions, in the same order, as `tree_sum`)."""
+    n = t.shape[0]
+    while n > 1:
+        m = (n + 1) // 2
+        t[: n - m].add_(t[m:n])
+        n = m
+    return t[0]
+
+
 def matmul(x: Tensor, m_DK: Tensor) -> Tensor:
     """`x @ M` [..., D] x [D, K] -> [..., K]: output k is tree_sum over d of x_d * M_dk."""
     x, m = x.float(), m_DK.float()
     D, K = m.shape
-    rows = x.reshape(-1, D)
+    rows_T = x.reshape(-1, D).T  # [D, N]: products laid out [D, N, K], the summed axis first
+    N = rows_T.shape[1]
     step = max(1, CHUNK_ELEMENTS // max(1, D * K))
-    mt = m.T  # [K, D]: products laid out with d last, the summed axis
-    out = [tree_sum(rows[i : i + step, None, :] * mt) for i in range(0, rows.shape[0], step)]
-    return (torch.cat(out) if out else rows.new_zeros(0, K)).reshape(*x.shape[:-1], K)
+    if N <= step:  # one chunk (a frame of one head): no list, no concatenation
+        return _tree_sum_first(rows_T[:, :, None] * m[:, None, :]).reshape(*x.shape[:-1], K)
+    out = [_tree_sum_first(rows_T[:, i : i + step, None] * m[:, None, :]) for i in range(0, N, step)]
+    return torch.cat(out).reshape(*x.shape[:-1], K)
 
 
 def sum_squares(x: Tensor) -> Tensor:
