@@ -26,6 +26,14 @@ Order of operations for one head (x of shape [B, T, D]; B batch, T tokens, D hea
 
 Decoding runs the steps backwards: unpack, dequantize, put sparse values and outlier channels
 back, add the centroid, rotate back with R^T.
+
+Every float step is the exact arithmetic of recipes/FORMAT.md ("Arithmetic"), so a runtime
+written from the document alone stores the same bytes and decodes the same floats (the numpy
+reader, recipes/reader.py, is held to that by tests/test_reader_exact.py): float32 in the
+written order; products with the rotation, the compensator, the QJL sketch, and norms and
+distances, are the fixed-order sums of quant/ordered.py (not BLAS: its order changes the last bit
+and, at a rounding boundary, the code); ties go to the lowest index (nearest level or centroid,
+sparse positions); a clip ratio is a float32; the scale floor is float16's smallest subnormal.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from calibrate.quant import affine, codebook, packing, qvg, turbo
+from calibrate.quant import affine, codebook, ordered, packing, qvg, turbo
 from calibrate.recipe import TensorSpec
 
 FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
@@ -112,23 +120,31 @@ def static_scale_for_bits(scale: Tensor, native_bits: int, bits: int, symmetric:
 
 
 def _levels_for_bits(levels: Tensor, bits: int) -> Tensor:
-    """The codebook row for a head stored at `bits`.
+    """The codebook row for a head stored at `bits` (FORMAT.md, "Token classes").
 
-    A row of exactly 2^bits levels is used as is; fewer bits take evenly spaced levels of the
-    row; more bits than the row holds (e.g. an 8-bit sink frame of a 2-bit codebook) use 2^bits
-    uniform levels on [-1, 1].
+    A row of exactly n = 2^bits levels is used as is; a longer row of L levels is subsampled at
+    the indices nearest to i (L - 1) / (n - 1) (never a tie: n - 1 is odd), computed in integers;
+    a shorter row (e.g. an 8-bit sink frame of a 2-bit codebook) is replaced by the n uniform
+    levels of `codebook.uniform_levels` (correctly rounded, not float32 linspace).
     """
-    if levels.numel() == 2**bits:
+    n = 2**bits
+    if levels.numel() == n:
         return levels
-    if levels.numel() > 2**bits:
-        return levels[torch.linspace(0, levels.numel() - 1, 2**bits).round().long()]
-    return torch.linspace(-1.0, 1.0, 2**bits, dtype=levels.dtype, device=levels.device)
+    if levels.numel() > n:
+        return levels[subsample_indices(levels.numel(), n).to(levels.device)]
+    return codebook.uniform_levels(bits).to(device=levels.device, dtype=levels.dtype)
+
+
+def subsample_indices(num_levels: int, n: int) -> Tensor:
+    """round(i (L - 1) / (n - 1)) for i = 0 .. n-1 in exact integer arithmetic (int64 [n])."""
+    i = torch.arange(n, dtype=torch.int64)
+    return (2 * i * (num_levels - 1) + (n - 1)) // (2 * (n - 1))
 
 
 # ---- code kinds: how the prepared y becomes codes and dynamic parameters, and back ------------
 # A kind is a pair of pure functions plus the bytes its codes and dynamic parameters take.
 # `spec.kind` picks one; a new kind (a vector codebook, say) is one more entry in CODE_KINDS, its
-# name in recipe.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
+# name in recipe_schema.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
 # fitter (ARCHITECTURE.md). The memory model counts its bytes through `frame_nbytes` below.
 def _uniform_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
     D = y.shape[-1]
@@ -234,8 +250,9 @@ def _span_centroids(p: HeadParams) -> Tensor:
 
 
 def _fp16_norm(y: Tensor) -> Tensor:
-    """|y| per token [..., 1], stored as float16 (kept >= its smallest subnormal so u = y / n is finite)."""
-    return y.norm(dim=-1, keepdim=True).clamp(FP_EPS, 65504.0).to(FP)
+    """|y| per token [..., 1] (sqrt of a fixed-order sum of squares), stored as float16 (kept >= its
+    smallest subnormal so u = y / n is finite)."""
+    return ordered.sum_squares(y).sqrt().clamp(FP_EPS, 65504.0).to(FP)
 
 
 def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
@@ -253,7 +270,7 @@ def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Te
     u = y / norm.float()
     idx = turbo.mse_codes(u, p.lloyd_max_L)
     r = u - codebook.decode(idx, p.lloyd_max_L)
-    gamma = r.norm(dim=-1, keepdim=True).clamp(max=65504.0).to(FP)
+    gamma = ordered.sum_squares(r).sqrt().clamp(max=65504.0).to(FP)
     signs = turbo.qjl_signs(r, p.qjl_MD)
     return idx + (signs << (p.bits - 1)), {"norm": norm, "gamma": gamma}
 
@@ -304,9 +321,9 @@ def _prepare(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, di
     y = x_BTD.float()
     side: dict[str, Tensor] = {}
     if p.rotation_DD is not None:
-        y = y @ p.rotation_DD
+        y = ordered.matmul(y, p.rotation_DD)
     if p.centroids_CD is not None:
-        assign = torch.cdist(y, p.centroids_CD.unsqueeze(0).expand(y.shape[0], -1, -1)).argmin(-1)
+        assign = ordered.sq_distances(y, p.centroids_CD).argmin(-1)  # first minimum: ties to the lowest index
         side["assign"] = assign.to(torch.uint8)
         y = y - p.centroids_CD[assign]
     if p.outlier_channels_n is not None:
@@ -317,7 +334,7 @@ def _prepare(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, di
         B, T, D = y.shape
         k = max(1, round(spec.sparse_fraction * T * D))
         center = _center(spec, p, y)
-        idx = (y - center).abs().reshape(B, T * D).topk(k, dim=-1).indices.sort(dim=-1).values
+        idx = sparse_positions((y - center).abs().reshape(B, T * D), k)
         side["sparse_idx"] = idx.to(torch.int16 if T * D < 2**15 else torch.int32)
         side["sparse_val"] = y.reshape(B, T * D).gather(-1, idx).to(FP)
         y = y.reshape(B, T * D).scatter(-1, idx, center.reshape(B, T * D).gather(-1, idx)).reshape(B, T, D)
@@ -335,10 +352,21 @@ def _finish(y: Tensor, side: dict[str, Tensor], p: HeadParams) -> Tensor:
     if "assign" in side:
         y = y + p.centroids_CD[side["assign"].long()]
     if p.comp_down_DR is not None:
-        y = y + (y @ p.comp_down_DR) @ p.comp_up_RD
+        y = y + ordered.matmul(ordered.matmul(y, p.comp_down_DR), p.comp_up_RD)
     if p.rotation_DD is not None:
-        y = y @ p.rotation_DD.T
+        y = ordered.matmul(y, p.rotation_DD.T)
     return y
+
+
+def sparse_positions(magnitude_BN: Tensor, k: int) -> Tensor:
+    """The k flat positions of largest magnitude per row, ascending (int64 [B, k]).
+
+    Ties go to the lowest position (a stable descending sort keeps equal values in index
+    order), as FORMAT.md says: `topk` picks among equal values in no stated order, and float16
+    inputs (a recent frame re-encoded from its float16 copy) tie often.
+    """
+    order = torch.sort(magnitude_BN, dim=-1, descending=True, stable=True).indices
+    return order[:, :k].sort(dim=-1).values
 
 
 def encode(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> dict[str, Tensor]:

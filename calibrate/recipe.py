@@ -49,6 +49,12 @@ key-error variance in the code basis, times the fitted strength; quant/logit_noi
 
 and a token policy: `sink_frames` frames at `sink_bits`, the newest `recent_frames` frames at
 `recent_bits`, every `keyframe_interval`-th frame at `keyframe_bits` (0 = none).
+
+Loading is strict: every metadata field has one JSON type and range (recipe_schema.py, the
+table of FORMAT.md), tensor names follow `layers.{i}.{k|v}.{role}` with i in decimal without
+leading zeros, each role has one dtype (float32, or int64), and `format_version` is MAJOR.MINOR.
+Nothing is coerced: a value a foreign reader would read differently is an error naming the file
+and the field.
 """
 
 from __future__ import annotations
@@ -56,24 +62,25 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from calibrate import predictive_roles
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
+from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, POLICY_FIELDS, ROTATIONS,  # noqa: F401
+                                     SPEC_FIELDS, FieldError, check_version, parse_object, parse_tensor_name)
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
 FORMAT_VERSION = "1.1"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random" (FORMAT.md)
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
+INT_ROLES = ("outlier_channels",) + predictive_roles.INT_ROLES  # int64; every other role is float32
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
                "comp_down", "comp_up", "logit_bias", "lloyd_max", "qjl") + predictive_roles.ROLES[1:]
-ALLOWED_BITS = (2, 3, 4, 8, 16)
-# TensorSpec.kind: codec.py implements the per-frame kinds, chain.py the predictive one
-CODE_KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")
-ROTATIONS = ("none", "hadamard", "learned", "random")
+# TensorSpec.kind (CODE_KINDS, ALLOWED_BITS and ROTATIONS live in recipe_schema and are re-exported here): codec.py
+# implements the per-frame kinds, chain.py the predictive one
 TURBO_KINDS = ("turbo", "turbo_prod")
 
 
@@ -149,60 +156,47 @@ class Scheme:
 
     @staticmethod
     def from_dict(d: dict, where: str = "scheme") -> "Scheme":
-        try:
-            layers = [LayerSpec(k=_spec(l["k"], f"{where}.layers[{i}].k"), v=_spec(l["v"], f"{where}.layers[{i}].v"))
-                      for i, l in enumerate(d["layers"])]
-            policy = _dataclass_from(TokenPolicy, d.get("policy", {}), f"{where}.policy")
-            return Scheme(name=str(d["name"]), layers=layers, policy=policy, notes=str(d.get("notes", "")))
-        except KeyError as e:
-            raise RecipeError(f"{where}: missing field {e}") from None
+        """The scheme of a decoded `scheme` JSON object, every field held to its JSON type (FORMAT.md)."""
+        if not isinstance(d, dict):
+            raise RecipeError(f"{where}: must be a JSON object")
+        for name in ("name", "layers"):
+            if name not in d:
+                raise RecipeError(f"{where}: missing field '{name}'")
+        for name in ("name", "notes"):
+            if name in d and type(d[name]) is not str:
+                raise RecipeError(f"{where}.{name}: must be a JSON string, got {d[name]!r}")
+        if not isinstance(d["layers"], list):
+            raise RecipeError(f"{where}.layers: must be a JSON list of {{\"k\": ..., \"v\": ...}} objects")
+        layers = []
+        for i, entry in enumerate(d["layers"]):
+            if not isinstance(entry, dict) or "k" not in entry or "v" not in entry:
+                raise RecipeError(f"{where}.layers[{i}]: must be a JSON object with fields 'k' and 'v'")
+            layers.append(LayerSpec(k=_spec(entry["k"], f"{where}.layers[{i}].k"), v=_spec(entry["v"], f"{where}.layers[{i}].v")))
+        policy = TokenPolicy(**_parse(d.get("policy", {}), POLICY_FIELDS, f"{where}.policy"))
+        return Scheme(name=d["name"], layers=layers, policy=policy, notes=d.get("notes", ""))
 
 
-def _dataclass_from(cls, d: dict, where: str):
-    if not isinstance(d, dict):
-        raise RecipeError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise RecipeError(f"{where}: unknown field(s) {sorted(unknown)}")
+def _parse(d, table, where: str, required: tuple[str, ...] = ()) -> dict:
     try:
-        return cls(**d)
-    except TypeError as e:
-        raise RecipeError(f"{where}: {e}") from None
+        return parse_object(d, table, where, required)
+    except FieldError as e:
+        raise RecipeError(str(e)) from None
 
 
 def _spec(d: dict, where: str) -> TensorSpec:
-    s = _dataclass_from(TensorSpec, d, where)
-    for b in [s.bits] + list(s.head_bits or []):
-        if b not in ALLOWED_BITS:
-            raise RecipeError(f"{where}.bits: {b} not in {ALLOWED_BITS}")
-    if s.kind not in CODE_KINDS:
-        raise RecipeError(f"{where}.kind: {s.kind!r} is not one of {', '.join(map(repr, CODE_KINDS))}")
-    if s.axis not in ("token", "channel"):
-        raise RecipeError(f"{where}.axis: {s.axis!r} is not 'token' or 'channel'")
-    if s.rotation not in ROTATIONS:
-        raise RecipeError(f"{where}.rotation: {s.rotation!r} is not {'/'.join(ROTATIONS)}")
-    if not 0 < s.clip <= 1:
-        raise RecipeError(f"{where}.clip: {s.clip} is not in (0, 1]")
-    if not 0 <= s.sparse_fraction < 1:
-        raise RecipeError(f"{where}.sparse_fraction: {s.sparse_fraction} is not in [0, 1)")
+    """A TensorSpec from its JSON object: types and ranges (recipe_schema), then the rules that
+    tie fields together."""
+    s = TensorSpec(**_parse(d, SPEC_FIELDS, where))
     if s.kind == "codebook" and s.axis == "channel" and not s.static:
-        raise RecipeError(f"{where}: a codebook with axis 'channel' must be static (dynamic codebooks are per token)")
-    if s.group_size < 0:
-        raise RecipeError(f"{where}.group_size: {s.group_size} must be >= 0 (0 = head_dim)")
-    if not 0 <= s.centroids <= 256:
-        raise RecipeError(f"{where}.centroids: {s.centroids} not in [0, 256] (indices are stored as uint8)")
+        raise RecipeError(f"{where}.static: a codebook with axis 'channel' must be static (dynamic codebooks are per "
+                          "token: use axis 'token')")
     _check_v11_fields(s, where)
-    if not isinstance(s.rotary_coords, int) or isinstance(s.rotary_coords, bool) or s.rotary_coords < 0:
-        raise RecipeError(f"{where}.rotary_coords: {s.rotary_coords!r} must be an integer >= 0")
     if s.kind == "predictive":
         plain = TensorSpec(bits=s.bits, kind="predictive", rotation=s.rotation, rotary_coords=s.rotary_coords,
                            token_bits=s.token_bits, anchor_token_bits=s.anchor_token_bits, temporal=s.temporal)
         if s != plain:
             raise RecipeError(f"{where}: a predictive spec sets only bits, rotation, rotary_coords, token_bits, "
                               "anchor_token_bits and temporal (the other fields belong to per-frame codes)")
-        if not isinstance(s.temporal, bool):
-            raise RecipeError(f"{where}.temporal: {s.temporal!r} must be true or false")
         if s.rotation == "none" or s.token_bits is None or s.anchor_token_bits is None:
             raise RecipeError(f"{where}: a predictive spec needs a rotation, token_bits and anchor_token_bits")
     elif s.token_bits is not None or s.anchor_token_bits is not None or s.temporal is not True:
@@ -304,13 +298,14 @@ def load_recipe(path: str | os.PathLike, model: ModelInfo | None = None) -> Reci
         if key not in meta:
             raise RecipeError(f"{p}: metadata field '{key}' is missing")
     check_format(p, meta, FORMAT, FORMAT_VERSION, RecipeError)
+    problem = check_version(meta["format_version"], int(FORMAT_VERSION.split(".")[0]))
+    if problem:
+        raise RecipeError(f"{p}: metadata field 'format_version' {problem}")
     for key in sorted(set(meta) - set(REQUIRED_METADATA) - set(OPTIONAL_METADATA)):
         warnings.warn(f"{p}: unknown metadata field '{key}' ignored", stacklevel=2)
     try:
-        info = _dataclass_from(ModelInfo, json.loads(meta["model"]), "model")
-        scheme = Scheme.from_dict(json.loads(meta["scheme"]))
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{p}: metadata is not valid JSON ({e})") from None
+        info = ModelInfo(**_parse(_json(meta, "model"), MODEL_FIELDS, "model", required=tuple(MODEL_FIELDS)))
+        scheme = Scheme.from_dict(_json(meta, "scheme"))
     except RecipeError as e:
         raise RecipeError(f"{p}: {e}") from None
     extra = {k: meta[k] for k in OPTIONAL_METADATA if k in meta}
@@ -319,6 +314,16 @@ def load_recipe(path: str | os.PathLike, model: ModelInfo | None = None) -> Reci
     if model is not None:
         check_model(recipe, model)
     return recipe
+
+
+def _json(meta: dict[str, str], key: str):
+    """A metadata value parsed as strict JSON (no NaN or Infinity, which are not JSON)."""
+    def no_constants(name):
+        raise RecipeError(f"metadata field '{key}' is not valid JSON ({name} is not a JSON value)")
+    try:
+        return json.loads(meta[key], parse_constant=no_constants)
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"metadata field '{key}' is not valid JSON ({e})") from None
 
 
 def check_model(recipe: Recipe, model: ModelInfo) -> None:
@@ -360,23 +365,39 @@ def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ..
 
 
 def validate(recipe: Recipe, where: str) -> None:
+    """Every rule of FORMAT.md's Validation on an in-memory recipe (the writer runs it before
+    saving, the loader after parsing); RecipeError naming `where` and the field."""
     m, s = recipe.model, recipe.scheme
+    try:  # the in-memory values must have the JSON types a reader will hold them to
+        parse_object(asdict(m), MODEL_FIELDS, "model", required=tuple(MODEL_FIELDS))
+        parse_object(asdict(s.policy), POLICY_FIELDS, "scheme.policy")
+        for name in ("name", "notes"):
+            if type(getattr(s, name)) is not str:
+                raise FieldError(f"scheme.{name}: must be a JSON string, got {getattr(s, name)!r}")
+    except FieldError as e:
+        raise RecipeError(f"{where}: {e}") from None
     H, D = m.num_kv_heads, m.head_dim
     if len(s.layers) != m.num_layers:
         raise RecipeError(f"{where}: scheme.layers has {len(s.layers)} entries, model.num_layers is {m.num_layers}")
     for name in recipe.tensors:
-        parts = name.split(".")
-        if name == "__metadata__" or len(parts) != 4 or parts[0] != "layers" or parts[2] not in ("k", "v"):
-            raise RecipeError(f"{where}: tensor name '{name}' is reserved or not of the form layers.<i>.<k|v>.<role>")
-        if not parts[1].isdigit() or int(parts[1]) >= m.num_layers:
-            raise RecipeError(f"{where}: tensor '{name}' names layer {parts[1]}, the model has {m.num_layers}")
-        if parts[3] not in KNOWN_ROLES:
-            raise RecipeError(f"{where}: tensor '{name}' has unknown role '{parts[3]}'")
-        spec = getattr(s.layers[int(parts[1])], parts[2])
-        if parts[3] not in expected_shapes(spec, H, D) and parts[3] not in ("clip", "logit_bias"):
-            raise RecipeError(f"{where}: tensor '{name}' is not used by its spec (role '{parts[3]}' not required)")
-        if parts[3] == "logit_bias":
-            _check_logit_bias(recipe.tensors[name], name, parts[2], H, D, where)
+        parsed = parse_tensor_name(name)
+        if parsed is None:
+            raise RecipeError(f"{where}: tensor name '{name}' is reserved or not of the form layers.<i>.<k|v>.<role> "
+                              "(i decimal without leading zeros)")
+        layer, kind, role = parsed
+        if layer >= m.num_layers:
+            raise RecipeError(f"{where}: tensor '{name}' names layer {layer}, the model has {m.num_layers}")
+        if role not in KNOWN_ROLES:
+            raise RecipeError(f"{where}: tensor '{name}' has unknown role '{role}'")
+        spec = getattr(s.layers[layer], kind)
+        if role not in expected_shapes(spec, H, D) and role not in ("clip", "logit_bias"):
+            raise RecipeError(f"{where}: tensor '{name}' is not used by its spec (role '{role}' not required)")
+        dtype = torch.int64 if role in INT_ROLES else torch.float32
+        if recipe.tensors[name].dtype != dtype:
+            raise RecipeError(f"{where}: tensor '{name}' has dtype {str(recipe.tensors[name].dtype).removeprefix('torch.')}, "
+                              f"role '{role}' is {str(dtype).removeprefix('torch.')}")
+        if role == "logit_bias":
+            _check_logit_bias(recipe.tensors[name], name, kind, H, D, where)
     for i, layer in enumerate(s.layers):
         for kind in ("k", "v"):
             spec: TensorSpec = getattr(layer, kind)
@@ -418,19 +439,14 @@ def validate(recipe: Recipe, where: str) -> None:
                     raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.rotation' is not orthogonal (max |R^T R - I| = {err:.2e})")
             cb = recipe.tensors.get(f"layers.{i}.{kind}.codebook")
             if cb is not None and not (cb[:, 1:] >= cb[:, :-1]).all():
-                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.codebook' rows must be sorted ascending")
+                raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.codebook' rows must be sorted ascending "
+                                  "(non-decreasing: nearest-level search assumes it)")
             if spec.kind == "predictive":
                 _check_predictive(recipe, i, kind, spec, H, where)
             oc = recipe.tensors.get(f"layers.{i}.{kind}.outlier_channels")
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
             _validate_v11(recipe, i, kind, spec, where)
-    for name in ("sink_frames", "recent_frames", "keyframe_interval"):
-        if getattr(s.policy, name) < 0:
-            raise RecipeError(f"{where}: scheme.policy.{name} must be >= 0")
-    for name in ("sink_bits", "recent_bits", "keyframe_bits"):
-        if getattr(s.policy, name) not in ALLOWED_BITS:
-            raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
 
 
 def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: int, where: str) -> None:

@@ -6,24 +6,42 @@ stores 16 tokens per frame, so token counts of the papers are expressed in whole
 deviations are listed per baseline and repeated in the recipe's `scheme.notes`. Bits/element
 below are at steady state (window 16 + 1 sink frame, every byte counted: memory.py).
 
+Arithmetic, for every baseline: the exact float32 rules of recipes/FORMAT.md ("Arithmetic"), which
+a paper's own code does not follow to the bit: dynamic scales and minima (zero points) are
+rounded to float16 *before* the codes are computed from them (the papers compute codes from the
+unrounded values and store float16, or run in the model's float16/bf16); a zero or constant group
+gets the scale floor 2^-24 instead of a division by zero or an epsilon; rotations, norms and
+distances are fixed-order (halving-tree) float32 sums instead of BLAS products; every tie
+(nearest level, nearest centroid, sparse outliers) goes to the lowest index; a frame leaving the
+float16 recent window is coded from its float16 copy, not from the model's float32 values. Each
+moves a value by at most an ulp or a code at a rounding boundary.
+
 - `fp16`: every frame stored in float16 (the memory reference).
 - `naive2`: the brief's example: per-token symmetric 2-bit, group 64, scale = absmax / 2,
-  codes clamp(round(x/scale), -2, 1). No sink, no full-precision window.
+  codes clamp(round(x/scale), -2, 1). No sink, no full-precision window. Deviations: the scale
+  is rounded to float16 before the codes are computed (the brief divides by the float32 scale),
+  round half to even, and an all-zero group stores scale 2^-24 (code 2, decoded 0).
 - `kivi2` / `kivi4` (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for
   KV Cache"): K per-channel, V per-token (group 32), asymmetric min/max,
   scale = (max - min) / (2^b - 1), round half to even, full-precision residual of R = 128
   tokens = 8 frames. Deviations: KIVI groups keys per channel over G = 32 tokens; a frame has
-  16, so key groups span one frame (finer groups, more parameter bytes: counted); KIVI flushes
-  its key buffer R tokens at a time (0-7 frames in float16) while here keys, like values, keep
-  a sliding float16 window of 8 frames. 9.38 bits/element: the paper's row, not at our memory
-  (`kivi2_lowmem` is).
+  16, so key groups span one frame (finer groups, more parameter bytes: counted). KIVI's key
+  residual is a block buffer: 0-127 full-precision tokens, quantized 128 at a time once full;
+  here keys, like values, keep a *sliding* float16 window of the newest 8 frames, which
+  includes the frame just appended (so 7 earlier frames plus the fresh one; the fresh frame's
+  own exact K/V are what it attends to anyway). A frame leaving the window is quantized from
+  its float16 copy (not the model's values), with scale and minimum rounded to float16 before
+  its codes are computed (KIVI stores float16 parameters but codes against the unrounded
+  ones). 9.38 bits/element: the paper's row, not at our memory (`kivi2_lowmem` is).
 - `kvquant2` (Hooper et al., 2024, "KVQuant"): K per-channel with *calibrated* static ranges,
   V per-token; non-uniform 2-bit levels fitted on calibration data (per layer and head,
   k-means on normalized values); 1% dense-and-sparse outliers kept in float16; the first
   frame (attention sink) in float16. Deviations: keys are quantized post-rotary (TinyWorld's
   rotary angles come from camera poses that the cache seam does not see; storing them would
   cost more than the codes); levels are plain k-means (no Fisher weighting); outliers are the
-  top 1% of |x - center| per frame rather than per-vector thresholds.
+  top 1% of |x - center| per frame rather than per-vector thresholds, ties to the lowest
+  position; values are clamped to [-1, 1] before the nearest level is chosen, and a fitted
+  level outside [-1, 1] is still chosen where it is the nearest to a clamped value.
 - `quarot2` (Ashkboos et al., 2024, "QuaRot"): randomized Hadamard rotation of K (with the
   query rotated alike: q.k unchanged) and of V (inverse on read), then asymmetric per-token
   2-bit with group = head_dim. No sink or window.
@@ -119,7 +137,7 @@ def _fp16(info: ModelInfo, calib) -> Recipe:
 def _naive2(info: ModelInfo, calib) -> Recipe:
     spec = TensorSpec(bits=2, symmetric=True, axis="token", group_size=min(64, info.head_dim))
     pol = TokenPolicy(sink_frames=0, recent_frames=0)
-    notes = "per-token symmetric 2-bit, group 64, scale=absmax/2 (the brief's example)"
+    notes = "per-token symmetric 2-bit, group 64, scale=absmax/2 (the brief's example); scale rounded to fp16 before coding"
     return Recipe(info, uniform_scheme("naive2", info.num_layers, spec, spec, pol, notes), {})
 
 
@@ -131,7 +149,9 @@ def _kivi(bits: int):
         pol = TokenPolicy(sink_frames=0, recent_frames=recent, recent_bits=16)
         notes = (f"KIVI-{bits}: K per-channel, V per-token G=32, asymmetric min/max, fp16 residual of "
                  f"{KIVI_RESIDUAL_TOKENS} tokens = {recent} frames; key groups span one frame "
-                 f"({info.tokens_per_frame} tokens) instead of 32 tokens")
+                 f"({info.tokens_per_frame} tokens) instead of 32 tokens; the residual is a sliding window "
+                 "including the fresh frame (KIVI: a key block buffer of 0-127 tokens); frames are coded from "
+                 "their fp16 copy with fp16-rounded scale and minimum")
         return Recipe(info, uniform_scheme(f"kivi{bits}", info.num_layers, k, v, pol, notes), {})
 
     return build

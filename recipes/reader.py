@@ -12,6 +12,19 @@ codebook reconstructions. `tests/test_reader.py` holds it to `calibrate`'s own l
 
 Format 1.1 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_turbo` and
 `dequantize_turbo_prod` (TurboQuant), and `jensen_correction` for specs with `jensen`.
+
+Bit-exact encoding and decoding of the per-frame kinds (FORMAT.md "Arithmetic"): the runtime's
+stored bytes and decoded floats, reproduced from the document alone. Per head of one frame:
+
+    spec = spec_of(metadata, layer, "k")                       # defaults filled in
+    bits = held_bits(metadata["scheme"]["policy"], spec, head, f, n)   # its token class
+    p = head_params(spec, tensors, layer, "k", head, bits)     # roles, re-cut for `bits`
+    stored = encode_head(x_BTD, spec, p)                        # == calibrate.codec.encode
+    x_hat = decode_head(stored, spec, p, head_dim)              # == calibrate.codec.decode
+
+(kind "prq" with stages also takes the span's centroids, `span_state`). Sums go through
+`tree_sum` (the halving tree), never `@`. `tests/test_reader_exact.py` runs recipes that use
+every role through the runtime and this reader side by side and compares every byte.
 """
 
 import json
@@ -53,7 +66,10 @@ def read_recipe(path):
             raise ValueError(f"{path}: metadata field '{key}' is missing")
     if raw["format"] != FORMAT:
         raise ValueError(f"{path}: metadata field 'format' is {raw['format']!r}, expected {FORMAT!r}")
-    major = raw["format_version"].split(".")[0]
+    version = raw["format_version"].split(".")
+    if len(version) != 2 or not all(v.isascii() and v.isdigit() and (v == "0" or v[0] != "0") for v in version):
+        raise ValueError(f"{path}: metadata field 'format_version' is {raw['format_version']!r}, not MAJOR.MINOR")
+    major = version[0]
     if major != str(MAJOR):
         raise ValueError(f"{path}: metadata field 'format_version' is {raw['format_version']}, this reader reads {MAJOR}.x")
     meta = dict(raw)
@@ -236,7 +252,7 @@ def dequantize_prq(codes, scale_fp8, bits, group_size, centroids=None, assign=No
 def dequantize_turbo(codes, norm, levels, rotation=None):
     """Kind "turbo": x = (levels[code] * norm) @ R^T; codes [..., D], norm [..., 1] (float16), levels [2^b]."""
     y = np.asarray(levels, dtype=np.float32)[np.asarray(codes).astype(np.int64)] * np.asarray(norm, dtype=np.float32)
-    return y if rotation is None else y @ np.asarray(rotation, dtype=np.float32).T
+    return y if rotation is None else matmul(y, np.asarray(rotation, dtype=np.float32).T)
 
 
 def dequantize_turbo_prod(codes, norm, gamma, levels, qjl, bits, rotation=None):
@@ -247,9 +263,9 @@ def dequantize_turbo_prod(codes, norm, gamma, levels, qjl, bits, rotation=None):
     S = np.asarray(qjl, dtype=np.float32)
     z = 2.0 * (codes >> top) - 1.0
     u = np.asarray(levels, dtype=np.float32)[codes & ((1 << top) - 1)]
-    u = u + np.float32(np.sqrt(np.pi / 2) / S.shape[0]) * np.asarray(gamma, dtype=np.float32) * (z.astype(np.float32) @ S)
+    u = u + np.float32(np.sqrt(np.pi / 2) / S.shape[0]) * np.asarray(gamma, dtype=np.float32) * matmul(z.astype(np.float32), S)
     y = u * np.asarray(norm, dtype=np.float32)
-    return y if rotation is None else y @ np.asarray(rotation, dtype=np.float32).T
+    return y if rotation is None else matmul(y, np.asarray(rotation, dtype=np.float32).T)
 
 
 def jensen_correction(q, steps, rotation=None):
@@ -262,3 +278,334 @@ def jensen_correction(q, steps, rotation=None):
     if rotation is not None:
         q = q @ np.asarray(rotation, dtype=np.float32)
     return (q * q) @ (np.asarray(steps, dtype=np.float32) ** 2).T / (24 * q.shape[-1])
+
+
+# ---- exact arithmetic (FORMAT.md "Arithmetic"): everything below reproduces the runtime bit for bit --
+# float32 throughout, every operation rounded once and in the written order; numpy's elementwise
+# float32 operations are IEEE operations without fused multiply-add, which is what the format needs.
+F32 = np.float32
+FLOOR = F32(2.0**-24)  # smallest positive float16: no stored dynamic scale is 0
+
+
+def tree_sum(t):
+    """Sum over the last axis by the halving tree: t_i += t_{i+ceil(n/2)} until one term is left."""
+    t = np.asarray(t, dtype=F32)
+    n = t.shape[-1]
+    while n > 1:
+        m = (n + 1) // 2
+        t = np.concatenate([t[..., : n - m] + t[..., m:n], t[..., n - m : m]], axis=-1)
+        n = m
+    return t[..., 0]
+
+
+def matmul(x, m):
+    """x [..., D] @ m [D, K] with every output the tree sum of its float32 products."""
+    x, m = np.asarray(x, dtype=F32), np.asarray(m, dtype=F32)
+    return tree_sum(x[..., None, :] * m.T)
+
+
+def sum_squares(x):
+    """Tree sum of x_d * x_d over the last axis, kept as a size-1 axis."""
+    x = np.asarray(x, dtype=F32)
+    return tree_sum(x * x)[..., None]
+
+
+def fp16(v):
+    """Rounded to float16 (ties to even) and back to float32."""
+    return np.asarray(v, dtype=F32).astype(np.float16).astype(F32)
+
+
+def round_half_away(v):
+    t = np.trunc(v)
+    return t + np.where(np.abs(v - t) >= F32(0.5), np.sign(v), F32(0)).astype(F32)
+
+
+def nearest(u, levels):
+    """Index (uint8) of the level of least |u - level|, ties to the lower index."""
+    levels = np.asarray(levels, dtype=F32)
+    return np.argmin(np.abs(np.asarray(u, dtype=F32)[..., None] - levels), axis=-1).astype(np.uint8)
+
+
+def uniform_levels(bits):
+    """(2i - (n - 1)) / (n - 1), n = 2^bits: one float32 division each (correctly rounded)."""
+    n = 2**bits
+    return (F32(2) * np.arange(n, dtype=F32) - F32(n - 1)) / F32(n - 1)
+
+
+def levels_for_bits(row, bits):
+    """The codebook row used at `bits`: itself, a subsample at the nearest indices, or uniform levels."""
+    row, n = np.asarray(row, dtype=F32), 2**bits
+    if row.shape[-1] == n:
+        return row
+    if row.shape[-1] > n:
+        i = np.arange(n, dtype=np.int64)
+        return row[(2 * i * (row.shape[-1] - 1) + (n - 1)) // (2 * (n - 1))]
+    return uniform_levels(bits)
+
+
+def recut_scale(scale, native_bits, bits, symmetric):
+    """A static uniform scale fitted at `native_bits` re-cut for `bits` (product, then quotient)."""
+    scale = np.asarray(scale, dtype=F32)
+    if bits == native_bits:
+        return scale
+    if symmetric:
+        return scale * F32(2.0 ** (native_bits - 1)) / F32(2.0 ** (bits - 1))
+    return scale * F32(2**native_bits - 1) / F32(2**bits - 1)
+
+
+def e4m3(v):
+    """(value float32, bit pattern uint8) of positive v in [2^-9, 448] rounded to FP8 E4M3, ties to even."""
+    v = np.asarray(v, dtype=F32)
+    _, e = np.frexp(v)
+    step = np.exp2(np.maximum(e - 1, -6) - 3).astype(F32)  # normal: 2^(E-3); subnormal: 2^-9
+    q = (np.rint(v / step) * step).astype(F32)
+    _, e = np.frexp(q)
+    normal = q >= F32(2.0**-6)
+    exp_field = np.where(normal, e - 1 + 7, 0)
+    man = np.where(normal, q / np.exp2(e - 1).astype(F32) * 8 - 8, q / F32(2.0**-9))
+    return q, (exp_field * 8 + man).astype(np.uint8)
+
+
+def pack(codes, bits):
+    """Codes [..., n] (each < 2^bits) -> uint8 [..., ceil(n/8) * bits]: the LSB-first bit stream."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    n = codes.shape[-1]
+    padded = np.zeros((*codes.shape[:-1], -(-n // 8) * 8), dtype=np.uint8)
+    padded[..., :n] = codes
+    bits_ = (padded[..., None] >> np.arange(bits, dtype=np.uint8)) & 1  # [..., n8, bits]
+    return np.packbits(bits_.reshape(*codes.shape[:-1], -1), axis=-1, bitorder="little")
+
+
+# ---- one head of one frame, per-frame kinds: parameters, encoding, decoding ------------------------
+SPEC_DEFAULTS = {"bits": 16, "head_bits": None, "kind": "uniform", "symmetric": False, "axis": "token", "group_size": 0,
+                 "static": False, "clip": 1.0, "rotation": "none", "outliers": 0, "sparse_fraction": 0.0, "centroids": 0,
+                 "comp_rank": 0, "prq_stages": 0, "prq_centroids": 0}
+
+
+def spec_of(meta, layer, kind):
+    """The TensorSpec of `kind` ("k"/"v") in `layer` as a dict with every default filled in."""
+    return {**SPEC_DEFAULTS, **meta["scheme"]["layers"][layer][kind]}
+
+
+def bits_of(spec, head):
+    return spec["head_bits"][head] if spec["head_bits"] else spec["bits"]
+
+
+def held_bits(policy, spec, head, f, n):
+    """Width frame f of one head is held at after n appends (FORMAT.md "Token classes")."""
+    p = {"sink_frames": 1, "sink_bits": 16, "recent_frames": 0, "recent_bits": 16, "keyframe_interval": 0,
+         "keyframe_bits": 8, **policy}
+    if p["recent_frames"] > 0 and f >= n - p["recent_frames"]:
+        return p["recent_bits"]
+    if f < p["sink_frames"]:
+        return p["sink_bits"]
+    if p["keyframe_interval"] > 0 and f % p["keyframe_interval"] == 0:
+        return p["keyframe_bits"]
+    return bits_of(spec, head)
+
+
+def head_params(spec, tensors, layer, kind, head, bits):
+    """The parameters of one head held at `bits` (roles of `layers.{layer}.{kind}.*`, re-cut for `bits`)."""
+    def role(name):
+        t = tensors.get(f"layers.{layer}.{kind}.{name}")
+        return None if t is None else np.asarray(t)[head]
+
+    native = bits_of(spec, head)
+    p = {name: role(name) for name in ("rotation", "scale", "zero_point", "codebook", "outlier_channels", "centroids",
+                                       "lloyd_max", "qjl")}
+    p["bits"] = bits
+    clip = role("clip")
+    p["clip"] = F32(spec["clip"]) if clip is None else F32(clip)
+    if p["codebook"] is not None and bits < 16:
+        p["codebook"] = levels_for_bits(p["codebook"], bits)
+    if p["scale"] is not None and spec["kind"] == "uniform" and bits < 16:
+        p["scale"] = recut_scale(p["scale"], native, bits, spec["symmetric"])
+    same = bits == native  # the compensator applies to frames held at the spec's own width only
+    p["comp_down"], p["comp_up"] = (role("comp_down"), role("comp_up")) if same else (None, None)
+    return p
+
+
+def _static(spec, p):
+    return spec["axis"] == "channel" and spec["static"] and p["scale"] is not None
+
+
+def _center(spec, p):
+    """What outlier and sparse entries are replaced by: the middle of a static grid, else 0."""
+    if not _static(spec, p):
+        return F32(0)
+    half = F32((2 ** p["bits"] - 1) / 2) if spec["kind"] == "uniform" and not spec["symmetric"] else F32(0)
+    return np.asarray(p["zero_point"], dtype=F32) + np.asarray(p["scale"], dtype=F32) * half
+
+
+def _groups(x, G):
+    return x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
+
+
+def _affine_params(g, bits, symmetric, clip, axis):
+    """(scale, zero or None), float16-rounded, reduced over `axis` (kept)."""
+    if symmetric:
+        absmax = np.abs(g).max(axis=axis, keepdims=True)
+        return fp16(np.maximum(clip * absmax / F32(2 ** (bits - 1)), FLOOR)), None
+    lo, hi = g.min(axis=axis, keepdims=True), g.max(axis=axis, keepdims=True)
+    s = (F32(1) - clip) * (hi - lo) / F32(2)
+    lo, hi = lo + s, hi - s
+    return fp16(np.maximum((hi - lo) / F32(2**bits - 1), FLOOR)), fp16(lo)
+
+
+def _affine_codes(y, scale, zero, bits, symmetric):
+    qmin = _qmin(bits, symmetric)
+    v = y if zero is None else y - zero
+    return (np.clip(np.rint(v / scale), qmin, qmin + 2**bits - 1) - qmin).astype(np.uint8)
+
+
+def _prq_assign(r, c):
+    """Index of each token's nearest centroid (the package's distance, tree sums), ties lowest."""
+    dot = tree_sum(r[:, :, None, :] * c[:, None, :, :])
+    d = np.maximum(sum_squares(r) + np.swapaxes(sum_squares(c), 1, 2) - F32(2) * dot, F32(0))
+    return np.argmin(d, axis=-1)
+
+
+def encode_head(x, spec, p, span_state=None):
+    """The stored form of one head of one frame, x [B, T, D]: the arrays `calibrate.codec.encode`
+    returns (codes packed; float16 parameters; kind "prq" scales as E4M3 bit patterns, uint8).
+    `span_state` [B, S, C, D] (float16) is the span's centroids for kind "prq" with stages."""
+    x = np.asarray(x, dtype=F32)
+    if p["bits"] >= 16:
+        return {"fp16": x.astype(np.float16)}
+    B, T, D = x.shape
+    bits, y, side = p["bits"], x, {}
+    if p["rotation"] is not None:
+        y = matmul(y, p["rotation"])
+    if p["centroids"] is not None:
+        diff = y[..., None, :] - np.asarray(p["centroids"], dtype=F32)
+        a = np.argmin(tree_sum(diff * diff), axis=-1)
+        side["assign"] = a.astype(np.uint8)
+        y = y - np.asarray(p["centroids"], dtype=F32)[a]
+    center = np.broadcast_to(_center(spec, p), y.shape)
+    if p["outlier_channels"] is not None:
+        o = np.asarray(p["outlier_channels"])
+        side["outliers"] = y[..., o].astype(np.float16)
+        y = y.copy()
+        y[..., o] = center[..., o]
+    if spec["sparse_fraction"] > 0:
+        k = max(1, round(spec["sparse_fraction"] * T * D))  # float64, ties to even
+        flat, cflat = y.reshape(B, T * D).copy(), center.reshape(B, T * D)
+        order = np.argsort(-np.abs(flat - cflat), axis=-1, kind="stable")  # ties: lowest position first
+        idx = np.sort(order[:, :k], axis=-1)
+        side["sparse_idx"] = idx.astype(np.int16 if T * D < 2**15 else np.int32)
+        side["sparse_val"] = np.take_along_axis(flat, idx, -1).astype(np.float16)
+        np.put_along_axis(flat, idx, np.take_along_axis(cflat, idx, -1), -1)
+        y = flat.reshape(B, T, D)
+    codes, dyn = _quantize(y, spec, p, span_state)
+    stored = {"codes": pack(codes, bits), **{f"p_{k}": v for k, v in dyn.items()}}
+    stored.update(side)
+    return stored
+
+
+def _quantize(y, spec, p, span_state):
+    bits, kind, D = p["bits"], spec["kind"], y.shape[-1]
+    G = spec["group_size"] or D
+    if kind == "uniform":
+        if _static(spec, p):
+            return _affine_codes(y, p["scale"], p["zero_point"], bits, spec["symmetric"]), {}
+        if spec["axis"] == "channel":
+            scale, zero = _affine_params(y, bits, spec["symmetric"], p["clip"], -2)
+            codes = _affine_codes(y, scale, zero, bits, spec["symmetric"])
+        else:
+            g = _groups(y, G)
+            scale, zero = _affine_params(g, bits, spec["symmetric"], p["clip"], -1)
+            codes = _affine_codes(g, scale, zero, bits, spec["symmetric"]).reshape(y.shape)
+        dyn = {"scale": scale.astype(np.float16)}
+        if zero is not None:
+            dyn["zero"] = zero.astype(np.float16)
+        return codes, dyn
+    if kind == "codebook":
+        if _static(spec, p):
+            u = np.clip((y - p["zero_point"]) / p["scale"], F32(-1), F32(1))
+            return nearest(u, p["codebook"]), {}
+        g = _groups(y, G)
+        scale = fp16(np.maximum(np.abs(g).max(axis=-1, keepdims=True) * p["clip"], FLOOR))
+        return nearest(np.clip(g / scale, F32(-1), F32(1)), p["codebook"]).reshape(y.shape), {"scale": scale.astype(np.float16)}
+    if kind == "prq":
+        dyn, r = {}, y
+        if spec["prq_stages"]:
+            cents = np.asarray(span_state, dtype=F32)
+            ids = []
+            for s in range(cents.shape[1]):
+                a = _prq_assign(r, cents[:, s])
+                r = r - np.take_along_axis(cents[:, s], a[..., None], axis=1)
+                ids.append(a)
+            if spec["prq_centroids"] > 1:
+                dyn["assign"] = pack(np.stack(ids, axis=1), index_bits(spec["prq_centroids"]))
+        g = _groups(r, G)
+        qmax = 2 ** (bits - 1) - 1
+        scale, scale_bits = e4m3(np.clip(np.abs(g).max(axis=-1, keepdims=True) / F32(qmax), F32(2.0**-9), F32(448)))
+        dyn["scale"] = scale_bits
+        q = np.clip(round_half_away(g / scale), -qmax, qmax)
+        return (q + qmax).astype(np.uint8).reshape(y.shape), dyn
+    if kind in ("turbo", "turbo_prod"):
+        norm = fp16(np.clip(np.sqrt(sum_squares(y)), FLOOR, F32(65504)))
+        u = y / norm
+        levels = np.asarray(p["lloyd_max"], dtype=F32)
+        idx = nearest(u, levels)
+        if kind == "turbo":
+            return idx, {"norm": norm.astype(np.float16)}
+        r = u - levels[idx]
+        gamma = fp16(np.minimum(np.sqrt(sum_squares(r)), F32(65504)))
+        z = (matmul(r, np.asarray(p["qjl"], dtype=F32).T) >= 0).astype(np.uint8)
+        return idx + (z << (bits - 1)), {"norm": norm.astype(np.float16), "gamma": gamma.astype(np.float16)}
+    raise ValueError(f"kind {kind!r} is not a per-frame kind")
+
+
+def decode_head(stored, spec, p, head_dim, span_state=None):
+    """Decoded values [B, T, D] (float32) of one head of one stored frame (`encode_head`'s form,
+    or the runtime's with kind "prq" scales given as uint8 E4M3 bit patterns)."""
+    if "fp16" in stored:
+        return np.asarray(stored["fp16"]).astype(F32)
+    bits, kind = p["bits"], spec["kind"]
+    codes = unpack(stored["codes"], bits, head_dim)
+    G = spec["group_size"] or head_dim
+    if kind == "uniform":
+        if _static(spec, p):
+            y = (codes.astype(F32) + F32(_qmin(bits, spec["symmetric"]))) * p["scale"] + p["zero_point"]
+        elif spec["axis"] == "channel":
+            zero = None if "p_zero" not in stored else np.asarray(stored["p_zero"]).astype(F32)
+            y = dequantize_static_channel(codes, np.asarray(stored["p_scale"]).astype(F32), zero, bits, spec["symmetric"])
+        else:
+            zero = None if "p_zero" not in stored else stored["p_zero"]
+            y = dequantize_uniform_token(codes, stored["p_scale"], zero, bits, spec["symmetric"], G)
+    elif kind == "codebook":
+        if _static(spec, p):
+            y = dequantize_codebook(codes, p["codebook"], p["scale"], p["zero_point"])
+        else:
+            y = dequantize_codebook(codes, p["codebook"], stored["p_scale"], group_size=G)
+    elif kind == "prq":
+        y = dequantize_prq(codes, stored["p_scale"], bits, G, span_state if spec["prq_stages"] else None,
+                           stored.get("p_assign"), spec["prq_centroids"])
+    elif kind == "turbo":
+        y = dequantize_turbo(codes, stored["p_norm"], p["lloyd_max"])
+    elif kind == "turbo_prod":
+        y = dequantize_turbo_prod(codes, stored["p_norm"], stored["p_gamma"], p["lloyd_max"], p["qjl"], bits)
+    else:
+        raise ValueError(f"kind {kind!r} is not a per-frame kind")
+    return _finish(np.asarray(y, dtype=F32), stored, p, kind)
+
+
+def _finish(y, stored, p, kind):
+    """Steps 4-1 backwards: sparse values, outlier channels, centroids, compensator, rotation."""
+    B, T, D = y.shape
+    if "sparse_val" in stored:
+        flat = y.reshape(B, T * D).copy()
+        np.put_along_axis(flat, np.asarray(stored["sparse_idx"]).astype(np.int64),
+                          np.asarray(stored["sparse_val"]).astype(F32), -1)
+        y = flat.reshape(B, T, D)
+    if "outliers" in stored:
+        y = y.copy()
+        y[..., np.asarray(p["outlier_channels"])] = np.asarray(stored["outliers"]).astype(F32)
+    if "assign" in stored:
+        y = y + np.asarray(p["centroids"], dtype=F32)[np.asarray(stored["assign"]).astype(np.int64)]
+    if p["comp_down"] is not None:
+        y = y + matmul(matmul(y, p["comp_down"]), p["comp_up"])
+    if p["rotation"] is not None:
+        y = matmul(y, np.asarray(p["rotation"], dtype=F32).T)
+    return y

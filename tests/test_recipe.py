@@ -361,7 +361,7 @@ def _spec_recipe(spec: TensorSpec, tensors: dict) -> Recipe:
 
 
 VALIDATOR_GAPS = {
-    # the codec raises ValueError at the first encode instead
+    # nearest-level search needs sorted rows (FORMAT.md: checked on load)
     "unsorted_codebook": (TensorSpec(bits=2, kind="codebook"), {"codebook": torch.tensor([[1.0, -1, 0.5, -0.5]] * 2)}),
     # the centroid index is stored as uint8: index 300 would wrap to 44
     "centroids_over_256": (TensorSpec(bits=2, centroids=300), {"centroids": torch.zeros(2, 300, 8)}),
@@ -379,3 +379,147 @@ def test_validator_gaps(tmp_path, case):
     spec, tensors = VALIDATOR_GAPS[case]
     with pytest.raises(RecipeError):
         save_recipe(_spec_recipe(spec, tensors), tmp_path / "gap.safetensors")
+
+
+# ---- strict metadata types (issue 19): every case is one line naming the file and the field ------
+def edit_json(path, key, edit):
+    """Decode metadata `key`, let `edit` change the object in place, write it back."""
+    header, _ = read_raw(path)
+    obj = json.loads(header["__metadata__"][key])
+    edit(obj)
+    edit_metadata(path, **{key: json.dumps(obj)})
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(obj):
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj[keys[-1]] = value
+    return edit
+
+
+STRICT_CASES = {
+    # JSON type of a TensorSpec field: no string-for-bool, no float-for-int, no bool-for-int
+    "symmetric_string": ("scheme", _set("layers", 0, "v", "symmetric", "no"), ["scheme.layers[0].v.symmetric", "true or false", '"no"']),
+    "symmetric_int": ("scheme", _set("layers", 0, "v", "symmetric", 0), ["scheme.layers[0].v.symmetric", "true or false"]),
+    "bits_float": ("scheme", _set("layers", 1, "k", "bits", 2.0), ["scheme.layers[1].k.bits", "JSON integer", "2.0"]),
+    "bits_bool": ("scheme", _set("layers", 1, "k", "bits", True), ["scheme.layers[1].k.bits", "JSON integer", "true"]),
+    "head_bits_float": ("scheme", _set("layers", 0, "v", "head_bits", [4, 4.0]), ["scheme.layers[0].v.head_bits", "integers"]),
+    "head_bits_range": ("scheme", _set("layers", 0, "v", "head_bits", [4, 5]), ["scheme.layers[0].v.head_bits[1]", "5"]),
+    "group_size_string": ("scheme", _set("layers", 0, "v", "group_size", "4"), ["scheme.layers[0].v.group_size", '"4"']),
+    "clip_bool": ("scheme", _set("layers", 0, "v", "clip", True), ["scheme.layers[0].v.clip", "number"]),
+    "clip_range": ("scheme", _set("layers", 0, "v", "clip", 1.5), ["scheme.layers[0].v.clip", "(0, 1]"]),
+    "kind_unknown": ("scheme", _set("layers", 0, "v", "kind", "lattice"), ["scheme.layers[0].v.kind", '"uniform"']),
+    # policy
+    "sink_frames_float": ("scheme", _set("policy", "sink_frames", 1.5), ["scheme.policy.sink_frames", "JSON integer", "1.5"]),
+    "recent_bits_string": ("scheme", _set("policy", "recent_bits", "16"), ["scheme.policy.recent_bits", '"16"']),
+    "keyframe_interval_negative": ("scheme", _set("policy", "keyframe_interval", -4), ["scheme.policy.keyframe_interval", ">= 0"]),
+    # scheme and model
+    "scheme_name_int": ("scheme", _set("name", 7), ["scheme.name", "string"]),
+    "layers_not_list": ("scheme", _set("layers", {"k": {}}), ["scheme.layers", "list"]),
+    "layer_without_v": ("scheme", _set("layers", 1, {"k": {}}), ["scheme.layers[1]", "'v'"]),
+    "num_layers_string": ("model", _set("num_layers", "4"), ["model.num_layers", "JSON integer", '"4"']),
+    "head_dim_float": ("model", _set("head_dim", 8.0), ["model.head_dim", "JSON integer", "8.0"]),
+    "num_kv_heads_zero": ("model", _set("num_kv_heads", 0), ["model.num_kv_heads", ">= 1"]),
+    "fingerprint_int": ("model", _set("fingerprint", 123), ["model.fingerprint", "string"]),
+    # a codebook per channel must be static (the spec no longer defines a per-token reading of it)
+    "codebook_channel_dynamic": ("scheme", lambda s: s["layers"][0]["v"].update(kind="codebook", axis="channel"),
+                                 ["scheme.layers[0].v.static", "must be static"]),
+}
+
+
+@pytest.mark.parametrize("case", STRICT_CASES)
+def test_metadata_of_the_wrong_type_or_range_is_one_line_naming_file_and_field(recipe_path, case):
+    key, edit, words = STRICT_CASES[case]
+    edit_json(recipe_path, key, edit)
+    msg = assert_rejected(recipe_path, *words)
+    assert "\n" not in msg
+
+
+def test_json_constants_are_not_json(recipe_path):
+    header, _ = read_raw(recipe_path)
+    text = header["__metadata__"]["scheme"].replace('"clip": 1.0', '"clip": NaN', 1)
+    assert "NaN" in text
+    edit_metadata(recipe_path, scheme=text)
+    assert_rejected(recipe_path, "'scheme'", "NaN is not a JSON value")
+
+
+@pytest.mark.parametrize("version", ["1", "1.7.3", "01.1", "1.01", "1.x", " 1.1", "v1.1"])
+def test_format_version_must_be_major_dot_minor(recipe_path, version):
+    edit_metadata(recipe_path, format_version=version)
+    msg = assert_rejected(recipe_path, "'format_version'")
+    assert "\n" not in msg
+
+
+def test_format_version_newer_minor_of_several_digits_loads(recipe_path):
+    edit_metadata(recipe_path, format_version="1.12")
+    assert load_recipe(recipe_path).scheme.name == "toy"
+
+
+@pytest.mark.parametrize("name", ["layers.01.k.scale", "layers.+1.k.scale", "layers.1 .k.scale", "layers.٣.k.scale"])
+def test_tensor_names_use_decimal_layers_without_leading_zeros(recipe_path, name):
+    edit_tensors(recipe_path, lambda t: {**t, name: t["layers.1.k.scale"].clone()})
+    msg = assert_rejected(recipe_path, f"'{name}'", "without leading zeros")
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("role,dtype", [("scale", torch.float64), ("zero_point", torch.float16), ("rotation", torch.float64)])
+def test_float_roles_are_float32(recipe_path, role, dtype):
+    edit_tensors(recipe_path, lambda t: {**t, f"layers.0.k.{role}": t[f"layers.0.k.{role}"].to(dtype)})
+    assert_rejected(recipe_path, f"'layers.0.k.{role}'", "dtype", "float32")
+
+
+def test_clip_role_is_float32(recipe_path):
+    edit_tensors(recipe_path, lambda t: {**t, "layers.0.v.clip": torch.tensor([0.9, 1.0], dtype=torch.float64)})
+    assert_rejected(recipe_path, "'layers.0.v.clip'", "float64", "float32")
+
+
+def test_outlier_channels_are_int64(tmp_path):
+    spec = TensorSpec(bits=2, outliers=1)
+    recipe = _spec_recipe(spec, {"outlier_channels": torch.tensor([[0], [1]], dtype=torch.int32)})
+    with pytest.raises(RecipeError, match=r"'layers.0.k.outlier_channels' has dtype int32, role 'outlier_channels' is int64"):
+        save_recipe(recipe, tmp_path / "r.safetensors")
+
+
+def test_unsorted_codebook_is_rejected_on_load(tmp_path):
+    path = tmp_path / "cb.safetensors"
+    good = _spec_recipe(TensorSpec(bits=2, kind="codebook"), {"codebook": torch.tensor([[-1.0, -0.5, 0.5, 1]] * 2)})
+    good.tensors = {k: t.clone() for k, t in good.tensors.items()}
+    save_recipe(good, path)
+    edit_tensors(path, lambda t: {**t, "layers.1.k.codebook": torch.tensor([[1.0, -1, 0.5, -0.5]] * 2)})
+    assert_rejected(path, "'layers.1.k.codebook'", "sorted ascending")
+
+
+def test_writer_holds_in_memory_values_to_the_json_types(tmp_path):
+    bad = toy_recipe()
+    bad.scheme.policy.sink_frames = 1.0
+    with pytest.raises(RecipeError, match=r"scheme.policy.sink_frames: must be a JSON integer"):
+        save_recipe(bad, tmp_path / "r.safetensors")
+    bad = toy_recipe()
+    bad.scheme.layers[0].v.symmetric = "no"
+    with pytest.raises(RecipeError, match=r"scheme.layers\[0\].v.symmetric: must be true or false"):
+        save_recipe(bad, tmp_path / "r.safetensors")
+    assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_schema_tables_match_the_dataclasses_and_format_md():
+    """Every field of ModelInfo, TokenPolicy and TensorSpec has a JSON type in recipe_schema, and
+    FORMAT.md's tables give each the same type."""
+    from dataclasses import fields as dc_fields
+    from pathlib import Path
+    import re
+
+    from calibrate.recipe_schema import MODEL_FIELDS, POLICY_FIELDS, SPEC_FIELDS
+
+    assert set(MODEL_FIELDS) == {f.name for f in dc_fields(ModelInfo)}
+    assert set(POLICY_FIELDS) == {f.name for f in dc_fields(TokenPolicy)}
+    assert set(SPEC_FIELDS) == {f.name for f in dc_fields(TensorSpec)}
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "FORMAT.md").read_text(encoding="utf-8")
+    documented = {}
+    for m in re.finditer(r"^\| `(\w+)` \| (int list or null|int|number|bool|str) \|", text, re.MULTILINE):
+        documented.setdefault(m.group(1), m.group(2))
+    for table in (MODEL_FIELDS, POLICY_FIELDS, SPEC_FIELDS):
+        for name, f in table.items():
+            assert documented.get(name) == f.type, (name, documented.get(name), f.type)

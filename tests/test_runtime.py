@@ -125,7 +125,8 @@ def test_codebook_rows_for_other_widths():
     row = recipe.tensor(0, "k", "codebook")[0]
     assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0).levels_L, row)
     assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0, bits=2).levels_L, row[[0, 2, 5, 7]])  # rne(0, 2.33, 4.67, 7)
-    assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0, bits=4).levels_L, torch.linspace(-1, 1, 16))
+    assert torch.equal(head_params(recipe.spec(0, "k"), recipe.layer_tensors(0, "k"), 0, bits=4).levels_L,
+                       (torch.arange(16.0) * 2 - 15) / 15)  # correctly rounded, not float32 linspace
 
 
 # ---- QuantizedKVCache --------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ computed, trading clipping error on the few largest values for a finer step on a
 
 * symmetric: ``absmax -> r * absmax`` (the range ``[-absmax, absmax]`` scaled about 0);
 * asymmetric: ``[min, max]`` is scaled by ``r`` about its midpoint, i.e. both ends move inward
-  by ``(1 - r) * (max - min) / 2``. Scaling about the midpoint (rather than scaling min and max
+  by ``(1 - r) * (max - min) / 2``, evaluated left to right in the parameters' dtype (``r`` is
+  rounded to it first: ``1 - r`` in float64 differs by an ulp and flips codes). Scaling about the midpoint (rather than scaling min and max
   toward 0) keeps the clipped range inside the data range and is invariant to shifting the
   data, which matters for key channels with a large mean offset.
 
@@ -119,6 +120,10 @@ def compute_params(
     if not dims:
         raise ValueError("reduce_dims must name at least one axis")
     x = x.to(_param_dtype(x))
+    # the ratio is a value of the parameters' dtype (a JSON clip becomes float32 first): 1 - r
+    # formed in Python's float64 and rounded afterwards differs by an ulp, which flips codes
+    if not isinstance(clip_ratio, torch.Tensor):
+        clip_ratio = torch.tensor(clip_ratio, dtype=x.dtype, device=x.device)
     if symmetric:
         absmax = x.abs().amax(dim=dims, keepdim=True)
         scale = (clip_ratio * absmax / 2 ** (bits - 1)).clamp_min(eps)

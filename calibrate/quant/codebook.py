@@ -41,9 +41,17 @@ def _check_levels(levels: torch.Tensor) -> None:
 
 
 def uniform_levels(bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``2^bits`` evenly spaced levels spanning [-1, 1] (the affine grid, for comparison)."""
+    """``2^bits`` evenly spaced levels spanning [-1, 1] (the affine grid), correctly rounded.
+
+    Level i is ``(2i - (n - 1)) / (n - 1)`` with n = 2^bits: one division of two integers that
+    the dtype holds exactly, so IEEE division rounds the exact quotient once. This is the
+    definition of recipes/FORMAT.md (a codec uses these levels for a frame stored at more bits
+    than its codebook row holds); ``torch.linspace`` is not, since it accumulates a rounded step
+    and is 1 ulp off in 10 of 16 levels at 4 bits and 190 of 256 at 8.
+    """
     check_bits(bits)
-    return torch.linspace(-1.0, 1.0, 2**bits, dtype=dtype)
+    n = 2**bits
+    return (2 * torch.arange(n, dtype=dtype) - (n - 1)) / torch.tensor(n - 1, dtype=dtype)
 
 
 def nearest_level(x_scaled: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.quant import packing
+from calibrate.quant import ordered, packing
 
 FP8 = torch.float8_e4m3fn
 FP8_MIN = 2.0**-9  # smallest subnormal of E4M3: a zero block still gets a positive scale
@@ -61,8 +61,13 @@ KMEANS_TOL = 1e-4
 
 
 def round_half_away(x: Tensor) -> Tensor:
-    """Round to nearest, ties away from zero (CUDA `roundf`, the package's real path)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """Round to nearest, ties away from zero (CUDA `roundf`, the package's real path).
+
+    Exactly: t = trunc(x), then one step away from zero if the (exact) remainder |x - t| is at
+    least 1/2. `floor(|x| + 0.5)` is not exact in float32: 0.49999997 + 0.5 rounds to 1.
+    """
+    t = torch.trunc(x)
+    return t + torch.where((x - t).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
 
 
 def fp8_e4m3(x: Tensor) -> Tensor:
@@ -93,8 +98,10 @@ def residual_values(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
 
 
 def sq_distances(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
-    """max(0, |x|^2 + |c|^2 - 2 x.c) [B, N, C]: the package's assignment distance."""
-    d = (x_BND * x_BND).sum(-1, keepdim=True) + (c_BCD * c_BCD).sum(-1).unsqueeze(1) - 2 * x_BND @ c_BCD.transpose(1, 2)
+    """max(0, (|x|^2 + |c|^2) - 2 x.c) [B, N, C]: the package's assignment distance, each of the
+    three sums in the fixed order of recipes/FORMAT.md (`ordered`), so that codes are exact."""
+    x, c = x_BND.float(), c_BCD.float()
+    d = ordered.sum_squares(x) + ordered.sum_squares(c).transpose(1, 2) - 2 * ordered.batched_dot(x, c)
     return d.clamp_min(0)
 
 

@@ -37,7 +37,7 @@ import torch
 from scipy import special
 from torch import Tensor
 
-from calibrate.quant import codebook
+from calibrate.quant import codebook, ordered
 
 QJL_SCALE = math.sqrt(math.pi / 2)  # E|g| = sqrt(2/pi) for g ~ N(0, 1): the sketch's gain
 
@@ -89,11 +89,16 @@ def mse_codes(u: Tensor, levels: Tensor) -> Tensor:
 
 
 def qjl_signs(r: Tensor, sketch_MD: Tensor) -> Tensor:
-    """z = sign(S r) as {0, 1} (1 = +1, sign(0) = +1), uint8 [..., m]."""
-    return (r.float() @ sketch_MD.float().T >= 0).to(torch.uint8)
+    """z = sign(S r) as {0, 1} (1 = +1, sign(0) = +1), uint8 [..., m].
+
+    S r is summed in the fixed order of recipes/FORMAT.md (`ordered.matmul`): its sign is a code.
+    """
+    return (ordered.matmul(r, sketch_MD.T) >= 0).to(torch.uint8)
 
 
 def qjl_values(signs: Tensor, gamma: Tensor, sketch_MD: Tensor) -> Tensor:
-    """sqrt(pi/2) / m * gamma * S^T z with z = 2 signs - 1: the QJL term of the reconstruction."""
+    """(k gamma) (S^T z), k = float32(sqrt(pi/2) / m), z = 2 signs - 1: the QJL term of the
+    reconstruction (S^T z summed over the m rows in the fixed order of `ordered`)."""
     z = 2.0 * signs.float() - 1.0
-    return QJL_SCALE / sketch_MD.shape[0] * gamma.float() * (z @ sketch_MD.float())
+    k = torch.tensor(QJL_SCALE / sketch_MD.shape[0], dtype=torch.float32)
+    return (k * gamma.float()) * ordered.matmul(z, sketch_MD)

@@ -1,0 +1,98 @@
+"""Float32 sums in one fixed order, so that every runtime computes the same bits.
+
+A float32 sum of n terms depends on the order its additions are done in, and a matrix product
+`x @ M` leaves that order to the BLAS (blocking, vector width, fused multiply-add). One ulp of
+difference in a rotated value is enough to move it across a rounding boundary and flip a code,
+and a frame re-encoded from its decoded copy (the recent window) carries the flip on. So the
+recipe format (recipes/FORMAT.md, "Fixed-order sums") pins the order of every sum that reaches
+a code or a decoded value of the per-frame kinds, and this module is that order:
+
+    tree_sum(t_0 .. t_{n-1}):  while n > 1:  m = ceil(n / 2);
+                                             t_i = t_i + t_{i+m}  for i = 0 .. n-m-1
+                                             (t_i for n-m <= i < m, the middle term when n
+                                             is odd, is kept);  n = m
+                               the result is t_0
+
+Every term is a float32 value (a product `a_d * b_d` is rounded to float32 first; no fused
+multiply-add) and every addition is rounded to float32. For n = 64 that is 32, 16, 8, 4, 2 and 1
+elementwise additions of halves: the reduction a GPU warp does with shuffles, and log2(n) vector
+additions here. The predictive kind keeps plain matrix products (its states decode in integers;
+FORMAT.md says where its float products are not pinned).
+
+Functions take the summed axis last and return float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 24  # products held at once by `matmul` (64 MiB of float32)
+
+
+def tree_sum(t: Tensor) -> Tensor:
+    """Sum over the last axis by the halving tree above: [..., n] -> [...]."""
+    t = t.float()
+    n = t.shape[-1]
+    if n == 0:
+        return t.sum(-1)
+    while n > 1:
+        m = (n + 1) // 2
+        head = t[..., : n - m] + t[..., m:n]
+        t = head if m == n - m else torch.cat([head, t[..., n - m : m]], dim=-1)
+        n = m
+    return t[..., 0]
+
+
+def _tree_sum_first(t: Tensor) -> Tensor:
+    """`tree_sum` over the first axis of a tensor this module owns, in place: [n, ...] -> [...].
+
+    The halves t[:n-m] and t[m:n] never overlap, so each level is one in-place addition of
+    contiguous slabs (the same additions, in the same order, as `tree_sum`)."""
+    n = t.shape[0]
+    while n > 1:
+        m = (n + 1) // 2
+        t[: n - m].add_(t[m:n])
+        n = m
+    return t[0]
+
+
+def matmul(x: Tensor, m_DK: Tensor) -> Tensor:
+    """`x @ M` [..., D] x [D, K] -> [..., K]: output k is tree_sum over d of x_d * M_dk."""
+    x, m = x.float(), m_DK.float()
+    D, K = m.shape
+    rows_T = x.reshape(-1, D).T  # [D, N]: products laid out [D, N, K], the summed axis first
+    N = rows_T.shape[1]
+    step = max(1, CHUNK_ELEMENTS // max(1, D * K))
+    if N <= step:  # one chunk (a frame of one head): no list, no concatenation
+        return _tree_sum_first(rows_T[:, :, None] * m[:, None, :]).reshape(*x.shape[:-1], K)
+    out = [_tree_sum_first(rows_T[:, i : i + step, None] * m[:, None, :]) for i in range(0, N, step)]
+    return torch.cat(out).reshape(*x.shape[:-1], K)
+
+
+def sum_squares(x: Tensor) -> Tensor:
+    """tree_sum of x_d * x_d over the last axis, [..., D] -> [..., 1] (a squared L2 norm)."""
+    x = x.float()
+    return tree_sum(x * x).unsqueeze(-1)
+
+
+def sq_distances(x: Tensor, c_CD: Tensor) -> Tensor:
+    """tree_sum over d of (x_d - c_d)^2 for every row c of C: [..., D] x [C, D] -> [..., C]."""
+    x, c = x.float(), c_CD.float()
+    D = c.shape[-1]
+    rows = x.reshape(-1, D)
+    step = max(1, CHUNK_ELEMENTS // max(1, c.numel()))
+    out = []
+    for i in range(0, rows.shape[0], step):
+        diff = rows[i : i + step, None, :] - c
+        out.append(tree_sum(diff * diff))
+    return (torch.cat(out) if out else rows.new_zeros(0, c.shape[0])).reshape(*x.shape[:-1], c.shape[0])
+
+
+def batched_dot(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
+    """tree_sum over d of x[b, n, d] * c[b, k, d]: [B, N, D] x [B, C, D] -> [B, N, C]."""
+    x, c = x_BND.float(), c_BCD.float()
+    B, N, D = x.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, B * c.shape[1] * D))
+    out = [tree_sum(x[:, i : i + step, None, :] * c[:, None]) for i in range(0, N, step)]
+    return torch.cat(out, dim=1) if out else x.new_zeros(B, 0, c.shape[1])
