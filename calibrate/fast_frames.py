@@ -235,13 +235,22 @@ class FrameStore:
 
     # ---- reading (materializing) -------------------------------------------------------------------
     def read(self, n: int, frames: list[int], rope) -> tuple[Tensor, Tensor]:
-        ks, vs = [], []
-        for f in frames:
-            name = next(p for p, pool in self.pools.items() if f in pool.frame_slot)
-            k, v, _ = self._block(name, [f], rope)
-            ks.append(k)
-            vs.append(v)
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        """Post-rotary K and V [B, H, F*T, D] of held `frames`, in that order (each pool decoded once)."""
+        ks, vs, order = [], [], []
+        for name, pool in self.pools.items():
+            fs = [f for f in frames if f in pool.frame_slot]
+            if fs:
+                k, v, _ = self._block(name, fs, rope)
+                ks.append(k)
+                vs.append(v)
+                order += fs
+        if not order:
+            raise ValueError("no frames to read")
+        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        B, H, _, D = k.shape
+        pos = torch.tensor([order.index(f) for f in frames], device=k.device)
+        pick = lambda x: x.view(B, H, len(order), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
+        return pick(k), pick(v)
 
     def logit_bias(self, n: int, q_BHTD: Tensor, frames: list[int]) -> Tensor | None:
         """As QuantizedKVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""

@@ -39,7 +39,7 @@ from calibrate.runtime import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("auto", "fast", "reference")
+RUNTIMES = ("auto", "fast", "reference")  # eval.runtime (config.EvalConfig)
 
 
 class FastPathError(ValueError):
@@ -187,7 +187,18 @@ class FastKVCache(KVCache):
         return rope
 
     # ---- the seam -------------------------------------------------------------------------------
+    def _check(self, layer: int, x_BHTD: Tensor) -> None:
+        """The model's frame has the shape the recipe was made for (one line otherwise)."""
+        info = self.recipe.model
+        if x_BHTD.dim() != 4 or tuple(x_BHTD.shape[1:]) != (info.num_kv_heads, info.tokens_per_frame, info.head_dim):
+            raise ValueError(f"recipe '{self.recipe.scheme.name}' ({info.name}) is for frames of {info.num_kv_heads} heads x "
+                             f"{info.tokens_per_frame} tokens x head_dim {info.head_dim}; layer {layer} of the model "
+                             f"gives {list(x_BHTD.shape)}")
+
     def _store_step(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope, decode: bool):
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"recipe '{self.recipe.scheme.name}' has {self.num_layers} layers; the model uses layer {layer}")
+        self._check(layer, k_BHTD)
         index = self._num_appended[layer]
         k_in = self._key_input(layer, k_BHTD, key_rope, index)
         blocks = self.stores[layer].step(index, k_in, v_BHTD, self._rope_fn(layer), decode=decode)

@@ -3,7 +3,8 @@
 For each batch of trajectories (equal length) the full-precision reference rollout runs once,
 through a `ShadowCache` that also feeds every scheme's quantized cache the same K/V (per-layer
 attention KL, most-attended-frame agreement, output error: teacher-forced). Then each scheme
-rolls out on its own through its `QuantizedKVCache` (the real runtime: packed codes), and the
+rolls out on its own through its packed runtime (`fastcache.build_cache`: the fast runtime, or the
+reference `QuantizedKVCache` as `eval.runtime` says), and the
 per-frame series are computed against the fp rollout and the ground truth. Memory is counted
 from the runtime's tensors at the end of the rollout (steady state).
 
@@ -27,7 +28,7 @@ from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe
 from calibrate.replay import batches, rollout_batch
 from calibrate.memory import fp16_cache_bytes
-from calibrate.runtime import QuantizedKVCache
+from calibrate.fastcache import build_cache
 from calibrate.shadow import ShadowCache
 from calibrate.types import Trajectory
 from calibrate.world.trajectories import revisit_pairs
@@ -101,12 +102,14 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
 
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
-             keep_frames: bool = False, on_rollout=None) -> dict[str, SchemeRun]:
+             keep_frames: bool = False, on_rollout=None, runtime: str = "auto") -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`).
 
     `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
     as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
     model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
+    `runtime` picks the quantized caches (`fastcache.RUNTIMES`). Each rollout shows its frames
+    as a progress bar with an ETA.
     """
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
@@ -118,9 +121,10 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
         todo = [n for n in recipes if not (partial_dir and (partial_dir / f"{n}.{bi}.safetensors").exists())]
         truth = world.ground_truth(group, device)
         has_truth = truth is not None
-        shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
+        shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo} if attention else {}
         fp_cache = ShadowCache(layers, window, sink_frames, shadows)
-        ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
+        where = f"batch {bi + 1}/{len(groups)}"
+        ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth, desc=f"fp reference, {where}")
         if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
             truth = ref
         for name in recipes:
@@ -128,8 +132,8 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             if name not in todo:
                 results, memory, attn = _load_partial(path)
             else:
-                cache = QuantizedKVCache.from_recipe(recipes[name], window, sink_frames, device)
-                quant, _ = rollout_batch(world, group, cache, device, truth=truth)
+                cache = build_cache(recipes[name], window, sink_frames, device, runtime)
+                quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}")
                 results = _traj_results(group, ref, quant, truth)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
