@@ -42,6 +42,7 @@ from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.chainscan import segmented_states
 
 FP = torch.float16
+SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -69,15 +70,38 @@ class ChainStore:
         self.s32 = [t.to(torch.int32) for t in (self.levels, self.s_intra, self.s_inter)]
         self.codes_layout = RowLayout.concat(bits.tolist(), device)
         self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
+        # Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head
+        # the coded ones come first, padded to Dc with components that decode to 0.
+        coded = (bits > 0).cpu()
+        self.Dc = Dc = max(int(coded.sum(-1).max()), 1)
+        order = torch.sort((~coded).to(torch.int8), dim=-1, stable=True).indices[:, :Dc]  # [G, Dc]
+        valid = torch.gather(coded, 1, order)
+        self.comp = order.to(device)
+        self.comp_valid = valid.to(device)
+        fields = (torch.arange(self.G)[:, None] * self.D + order).flatten()
+        self.codes_c = self.codes_layout.select(fields, valid.flatten())
+        self.anchor_c = self.anchor_layout.select(fields, valid.flatten())
+        # position of component d among the coded ones (Dc: the zero column appended on expansion)
+        pos = torch.full((self.G, self.D), Dc, dtype=torch.long)
+        pos.scatter_(1, torch.where(valid, order, self.D - 1), torch.where(valid, torch.arange(Dc).expand(self.G, -1), Dc))
+        pos[~coded] = Dc
+        self.pos = pos.to(device)
+        pick = lambda t: torch.where(self.comp_valid, torch.gather(t, 1, self.comp), torch.zeros((), dtype=t.dtype, device=device))
+        self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
+        self.offset_c = pick(self.offset).float()
+        # x = (unit * v) @ R^T over the coded components: M[g, k, e] = unit[g, d_k] R[g, e, d_k]
+        R_t = self.rotation.transpose(-1, -2)  # [G, D(d), D(e)]
+        unit_rot = torch.gather(R_t * self.unit[:, :, None], 1, self.comp[:, :, None].expand(-1, -1, self.D))
+        self.unit_rot = unit_rot * self.comp_valid[:, :, None]
         self.pre_rotary, self.temporal = pre_rotary, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
         self.R = policy.recent_frames
         self.Wm = max(window - self.R, 0)
         self.M = sink_frames + self.Wm
         self.device = torch.device(device)
-        block = token_block or tokens_per_frame
-        self.token_block = max(8, block - block % 8) if block < tokens_per_frame else tokens_per_frame
+        self.set_block(token_block or tokens_per_frame)
         self.bit_shift = torch.arange(8, dtype=torch.int32, device=self.device)
+        self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
         self.anchor_frame: int | None = None
         self.B: int | None = None
         self._index_cache: dict[tuple, Tensor] = {}
@@ -124,27 +148,50 @@ class ChainStore:
 
     # ---- the code ---------------------------------------------------------------------------
     def scan(self, chain: list[int], tokens: slice) -> Tensor:
-        """Integer states [B, J, Tb, G, D] (int32) of the chain frames for `tokens`."""
+        """Integer states of the chain frames for `tokens`, coded components only: float32 (exact
+        integers) [B, Tb, G, J, Dc] (`expand` gives [..., D]).
+
+        states_j = sum of contrib_i over i from the token's last reset L(j) to j: for short chains
+        a 0/1 matrix W per token (i <= j and i >= L(j)) times contrib (one batched matmul, O(J^2)),
+        for long ones `chainscan.segmented_states` (running sum and gather, O(J)). Every partial
+        sum is an integer below J * 2^16 in magnitude: exact in float32 up to J = 255 frames
+        (float64 beyond).
+        """
         slots = self._index([self.slot(f) for f in chain])
-        codes = self.codes_layout.unpack(self.codes.index_select(1, slots)[:, :, tokens])  # [B, J, Tb, G*D]
-        B, J, Tb = codes.shape[:3]
-        codes = codes.view(B, J, Tb, self.G, self.D)
-        n, s_i, s_p = self.s32
-        k2 = 2 * codes - n
+        c = self.codes_c.unpack(self.codes.index_select(1, slots)[:, :, tokens])  # [B, J, Tb, G*Dc]
+        B, J, Tb = c.shape[:3]
+        dtype = torch.float32 if J < 256 else torch.float64
+        c = c.view(B, J, Tb, self.G, self.Dc).permute(0, 2, 3, 1, 4).to(dtype)  # [B, Tb, G, J, Dc]
+        k2 = c * 2 - self.n_c
         t0, t1 = tokens.start, tokens.stop
         mode_bytes = self.modes.index_select(1, slots)[..., t0 // 8: -(-t1 // 8)]  # [B, J, G, Tb/8]
-        bits = (mode_bytes.unsqueeze(-1) >> self.bit_shift.to(torch.uint8)) & 1
-        inter = bits.flatten(-2)[..., : t1 - t0].bool().permute(0, 1, 3, 2).unsqueeze(-1)  # [B, J, Tb, G, 1]
-        reset = ~inter
-        contrib = torch.where(reset, s_i * k2, s_p * k2)
+        bits = (mode_bytes.unsqueeze(-1) >> self.bit_shift_u8) & 1
+        reset = (bits.flatten(-2)[..., : t1 - t0] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
         a = self.anchor_of(chain)
         if a is not None:
             j = chain.index(a)
-            fields = self.anchor_layout.unpack(self.anchor[:, tokens]).view(B, Tb, self.G, self.D)
-            contrib[:, j] = fields - self.offset.to(torch.int32)
             reset = reset.clone()
-            reset[:, j] = True
-        return segmented_states(contrib, reset)
+            reset[..., j] = True
+        resetf = reset.to(dtype).unsqueeze(-1)
+        contrib = k2 * (self.sp_c + resetf * (self.si_c - self.sp_c))
+        if a is not None:
+            fields = self.anchor_c.unpack(self.anchor[:, tokens]).view(B, Tb, self.G, self.Dc)
+            contrib[..., j, :] = fields.to(dtype) - self.offset_c
+        if J > SCAN_MATMUL_FRAMES:  # long chains: one running sum (quant/chainscan.py), O(J)
+            return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
+        positions = torch.arange(J, device=c.device)
+        last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
+        W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
+        return W.to(dtype) @ contrib
+
+    def expand(self, states: Tensor) -> Tensor:
+        """Coded components [..., G, Dc] -> int64 states [..., G, D] (0 where uncoded)."""
+        ext = torch.nn.functional.pad(states, (0, 1))
+        return torch.gather(ext, -1, self.pos.expand(*ext.shape[:-1], self.D)).to(torch.int64)
+
+    def compact(self, v: Tensor) -> Tensor:
+        """int64 states [..., G, D] -> coded components [..., G, Dc] (float32)."""
+        return torch.gather(v, -1, self.comp.expand(*v.shape[:-1], self.Dc)).float() * self.comp_valid
 
     def encode(self, x_BGTD: Tensor, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """quant/predictive.encode for every head at once: (inter [B,G,T], codes, states [B,G,T,D] int64)."""
@@ -166,14 +213,24 @@ class ChainStore:
         return use_p, torch.where(use_p.unsqueeze(-1), c_p, c_i), torch.where(use_p.unsqueeze(-1), v_p, v_i)
 
     def values(self, states: Tensor) -> Tensor:
-        """(unit * v) @ R^T + mean: [B, J, Tb, G, D] states -> [B, G, J, Tb, D] float32."""
-        u = states.float() * self.unit
-        return torch.einsum("bjtgd,ged->bgjte", u, self.rotation) + self.mean[None, :, None, None, :]
+        """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
+        return torch.einsum("btgjk,gke->bgjte", states.float(), self.unit_rot) + self.mean[None, :, None, None, :]
 
     # ---- a step -----------------------------------------------------------------------------
     @property
     def single_block(self) -> bool:
         return self.token_block >= self.T
+
+    def set_block(self, tokens: int) -> None:
+        """Decode `tokens` tokens of every held frame at a time (a multiple of 8: whole mode bytes)."""
+        self.token_block = max(8, tokens - tokens % 8) if tokens < self.T else self.T
+
+    def plan(self, B: int, budget: int) -> int:
+        """Set the token block from a workspace `budget` in bytes; returns the keys of one block."""
+        J = self.sink + self.window
+        per_token = B * self.G * J * (2 * self.Dc + 2 * self.D + J) * 4
+        self.set_block(max(1, budget // per_token))
+        return J * self.token_block
 
     def bias_fn(self, q_BHTD: Tensor):
         return None  # predictive keys have no logit correction (recipes/FORMAT.md)
@@ -243,10 +300,10 @@ class ChainStore:
                 v_e = self._commit(index, x_BGTD, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
             if not decode:
                 continue
-            kept = states.index_select(1, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
+            kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
             if with_e:
-                v_e = v_e.permute(0, 2, 1, 3).unsqueeze(1).to(torch.int32)  # [B, 1, Tb, G, D]
-                kept = v_e if kept is None else torch.cat((kept, v_e), dim=1)
+                v_e = self.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
+                kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
             yield self._block(kept, recent_slots, tokens, cos, sin)
         if commit:
             self.anchor_frame = anchor_post
@@ -261,7 +318,7 @@ class ChainStore:
                 x_e = x_BGTD[:, :, tokens]
             v_prev = None
             if prev is not None:
-                v_prev = states[:, chain_pre.index(prev)].permute(0, 2, 1, 3).to(torch.int64)
+                v_prev = self.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
             inter, c, v_e = self.encode(x_e, v_prev)
             slot = self.slot(e)
             B, G, Tb, D = c.shape
@@ -276,7 +333,7 @@ class ChainStore:
             if anchor_post == e:
                 v_a = v_e.permute(0, 2, 1, 3)
             else:
-                v_a = states[:, chain_pre.index(anchor_post)]
+                v_a = self.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
             B, Tb = v_a.shape[:2]
             fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
             self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=self.anchor[:, tokens])

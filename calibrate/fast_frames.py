@@ -178,6 +178,14 @@ class FrameStore:
     def single_block(self) -> bool:
         return not self.frame_block
 
+    def plan(self, B: int, budget: int) -> int:
+        """Set the frames per block from a workspace `budget` in bytes; returns the keys of one block."""
+        per_frame = B * self.H * self.T * self.D * 4 * 4  # decoded K and V and their intermediates
+        frames = max(1, budget // per_frame)
+        most = self.sink + self.window
+        self.frame_block = None if frames >= most else frames
+        return min(frames, most) * self.T
+
     def step(self, index: int, k_BHTD: Tensor, v_BHTD: Tensor, rope=None, decode: bool = True):
         """Store frame `index` (K as stored, V), move the frame leaving the recent window to its
         class, evict; then (when `decode`) the history blocks of the frame."""

@@ -39,6 +39,7 @@ from calibrate.runtime import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
+MIN_WORKSPACE = 8 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
 RUNTIMES = ("auto", "fast", "reference")  # eval.runtime (config.EvalConfig)
 
 
@@ -127,7 +128,7 @@ class _RotaryMemo:
 
 class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
-                 token_block: int | None = None, query_chunk: int | None = None):
+                 token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None):
         problem = fast_path_problem(recipe)
         if problem is not None:
             raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
@@ -136,6 +137,8 @@ class FastKVCache(KVCache):
         self.policy = recipe.scheme.policy
         self.device = torch.device(device)
         self.query_chunk = query_chunk
+        self.workspace_bytes = workspace_bytes
+        self._planned = token_block is not None or query_chunk is not None
         T = recipe.model.tokens_per_frame
         self.stores = []
         self.coords_dims = []
@@ -186,6 +189,16 @@ class FastKVCache(KVCache):
             return self._rotary.get(frames, self._coords[layer].index_select(1, slots))
         return rope
 
+    def _plan(self, B: int) -> None:
+        """Block sizes from the workspace budget (default: half a frame's float16 K/V, at least
+        `MIN_WORKSPACE`): keys decoded per block, and queries per chunk so one block's logits fit."""
+        info = self.recipe.model
+        budget = self.workspace_bytes or max(MIN_WORKSPACE, B * info.elements_per_frame)  # fp16 bytes / 2
+        keys = max(store.plan(B, budget) for store in self.stores)
+        rows = max(1, budget // (B * info.num_kv_heads * keys * 4 * 2))
+        self.query_chunk = None if rows >= info.tokens_per_frame else rows
+        self._planned = True
+
     # ---- the seam -------------------------------------------------------------------------------
     def _check(self, layer: int, x_BHTD: Tensor) -> None:
         """The model's frame has the shape the recipe was made for (one line otherwise)."""
@@ -199,6 +212,8 @@ class FastKVCache(KVCache):
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"recipe '{self.recipe.scheme.name}' has {self.num_layers} layers; the model uses layer {layer}")
         self._check(layer, k_BHTD)
+        if not self._planned:
+            self._plan(k_BHTD.shape[0])
         index = self._num_appended[layer]
         k_in = self._key_input(layer, k_BHTD, key_rope, index)
         blocks = self.stores[layer].step(index, k_in, v_BHTD, self._rope_fn(layer), decode=decode)

@@ -166,14 +166,17 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
     chain = store.chain(cache._num_appended[layer])
     if not chain:
         return {}
-    s = store.scan(chain, slice(0, store.T)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
+    s = store.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
     return {(kind, f): s[:, j, i * store.H:(i + 1) * store.H].long() for j, f in enumerate(chain)
             for i, kind in enumerate("kv")}
 
 
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
 @pytest.mark.parametrize("temporal", [True, False])
-def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal):
+@pytest.mark.parametrize("scan", ["matmul", "running_sum"])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, monkeypatch):
+    if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
+        monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
     recipe = predictive_recipe(recent=recent)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
@@ -215,6 +218,7 @@ def test_token_blocks_and_query_chunks_equal_one_block():
     g = torch.Generator().manual_seed(4)
     one = FastKVCache.from_recipe(recipe, window=5, sink_frames=1)
     blocks = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, token_block=8, query_chunk=5)
+    planned = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, workspace_bytes=40_000)
     ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
     k = torch.randn(1, 2, T16, 16, generator=g)
     v = torch.randn(1, 2, T16, 16, generator=g)
@@ -226,9 +230,11 @@ def test_token_blocks_and_query_chunks_equal_one_block():
             want = ref.attend(layer, q, k, v, rope)
             torch.testing.assert_close(one.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
             torch.testing.assert_close(blocks.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(planned.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
             torch.testing.assert_close(blocks.attend_uncommitted(layer, q, k, v, rope),
                                        ref.attend_uncommitted(layer, q, k, v, rope), atol=ATOL_OUT, rtol=RTOL_OUT)
-        assert blocks.nbytes() == ref.nbytes()
+        assert blocks.nbytes() == planned.nbytes() == ref.nbytes()
+    assert planned.stores[0].token_block == 8  # the budget made token blocks
 
 
 def test_uncommitted_passes_store_nothing():

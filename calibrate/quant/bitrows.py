@@ -64,6 +64,17 @@ class RowLayout:
         layout.num_fields = int(keep_t.sum())
         return layout
 
+    def select(self, fields: Tensor, valid: Tensor) -> "RowLayout":
+        """A layout that unpacks only `fields` (indices into this row's fields), in that order;
+        entries where `valid` is false unpack as 0."""
+        out = object.__new__(RowLayout)
+        out.__dict__.update(self.__dict__)
+        idx = fields.to(self.first.device)
+        out.first, out.shift = self.first[idx], self.shift[idx]
+        out.mask = torch.where(valid.to(idx.device), self.mask[idx], 0).to(torch.int32)
+        out.num_fields = len(idx)
+        return out
+
     def unpack(self, packed: Tensor) -> Tensor:
         """uint8 [..., nbytes] -> int32 [..., num_fields]."""
         if self.nbytes == 0:

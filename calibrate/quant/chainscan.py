@@ -32,4 +32,4 @@ def segmented_states(contrib: Tensor, reset: Tensor, dim: int = 1) -> Tensor:
     positions = torch.arange(J, device=contrib.device, dtype=torch.int64).view(shape)
     last_reset = torch.where(reset, positions, torch.zeros((), dtype=torch.int64, device=contrib.device) - 1)
     last_reset = torch.cummax(last_reset, dim=dim).values
-    return total - torch.gather(before, dim, last_reset.expand_as(contrib))
+    return total - torch.gather(before, dim, last_reset.expand_as(contrib).contiguous())
