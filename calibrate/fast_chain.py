@@ -103,6 +103,7 @@ class ChainStore:
         self.bit_shift = torch.arange(8, dtype=torch.int32, device=self.device)
         self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
         self.anchor_frame: int | None = None
+        self._scan_core, self._values_core = self._scan, self._values
         self.B: int | None = None
         self._index_cache: dict[tuple, Tensor] = {}
 
@@ -158,31 +159,43 @@ class ChainStore:
         (float64 beyond).
         """
         slots = self._index([self.slot(f) for f in chain])
-        c = self.codes_c.unpack(self.codes.index_select(1, slots)[:, :, tokens])  # [B, J, Tb, G*Dc]
+        a = self.anchor_of(chain)
+        t0, t1 = tokens.start, tokens.stop
+        codes = self.codes[:, :, tokens].index_select(1, slots)  # [B, J, Tb, C]
+        modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
+        anchor = self.anchor[:, tokens] if a is not None else None
+        return self._scan_core(codes, modes, anchor, chain.index(a) if a is not None else -1,
+                               len(chain) > SCAN_MATMUL_FRAMES)
+
+    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
+        """`scan` on the packed forms of the chain frames (tensors in, tensors out: compilable)."""
+        c = self.codes_c.unpack(codes)  # [B, J, Tb, G*Dc]
         B, J, Tb = c.shape[:3]
         dtype = torch.float32 if J < 256 else torch.float64
         c = c.view(B, J, Tb, self.G, self.Dc).permute(0, 2, 3, 1, 4).to(dtype)  # [B, Tb, G, J, Dc]
         k2 = c * 2 - self.n_c
-        t0, t1 = tokens.start, tokens.stop
-        mode_bytes = self.modes.index_select(1, slots)[..., t0 // 8: -(-t1 // 8)]  # [B, J, G, Tb/8]
-        bits = (mode_bytes.unsqueeze(-1) >> self.bit_shift_u8) & 1
-        reset = (bits.flatten(-2)[..., : t1 - t0] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
-        a = self.anchor_of(chain)
-        if a is not None:
-            j = chain.index(a)
+        bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
+        reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
+        if anchor is not None:
             reset = reset.clone()
             reset[..., j] = True
         resetf = reset.to(dtype).unsqueeze(-1)
         contrib = k2 * (self.sp_c + resetf * (self.si_c - self.sp_c))
-        if a is not None:
-            fields = self.anchor_c.unpack(self.anchor[:, tokens]).view(B, Tb, self.G, self.Dc)
+        if anchor is not None:
+            fields = self.anchor_c.unpack(anchor).view(B, Tb, self.G, self.Dc)
             contrib[..., j, :] = fields.to(dtype) - self.offset_c
-        if J > SCAN_MATMUL_FRAMES:  # long chains: one running sum (quant/chainscan.py), O(J)
+        if long:  # long chains: one running sum (quant/chainscan.py), O(J)
             return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
         positions = torch.arange(J, device=c.device)
         last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
         W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
         return W.to(dtype) @ contrib
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and
+        the rotary into few kernels: the CUDA path; `backend="eager"` checks the capture on a CPU)."""
+        self._scan_core = torch.compile(self._scan, dynamic=True, backend=backend)
+        self._values_core = torch.compile(self._values, dynamic=True, backend=backend)
 
     def expand(self, states: Tensor) -> Tensor:
         """Coded components [..., G, Dc] -> int64 states [..., G, D] (0 where uncoded)."""
@@ -214,6 +227,9 @@ class ChainStore:
 
     def values(self, states: Tensor) -> Tensor:
         """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
+        return self._values_core(states)
+
+    def _values(self, states: Tensor) -> Tensor:
         return torch.einsum("btgjk,gke->bgjte", states.float(), self.unit_rot) + self.mean[None, :, None, None, :]
 
     # ---- a step -----------------------------------------------------------------------------
@@ -244,7 +260,7 @@ class ChainStore:
 
         `rope(frames) -> (cos, sin)` [B, F, T, A] gives the rotary of held frames (pre-rotary keys).
         """
-        return self._run(index, torch.cat((k_BHTD, v_BHTD), dim=1), rope, decode)
+        return self._run(index, (k_BHTD, v_BHTD), rope, decode)
 
     def history(self, n: int, rope=None, exclude: int | None = None):
         """The held history without frame `exclude`, as blocks (an uncommitted pass: stores nothing)."""
@@ -261,12 +277,12 @@ class ChainStore:
         pick = lambda x: x.view(B, H, len(held), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
         return pick(k), pick(v)
 
-    def _run(self, index: int, x_BGTD: Tensor | None, rope, decode: bool, exclude: int | None = None,
+    def _run(self, index: int, kv: tuple[Tensor, Tensor] | None, rope, decode: bool, exclude: int | None = None,
              block: int | None = None):
         n = index
-        commit = x_BGTD is not None
+        commit = kv is not None
         if commit:
-            self.allocate(x_BGTD.shape[0])
+            self.allocate(kv[0].shape[0])
         elif self.B is None:
             return
         chain_pre = self.chain(n)
@@ -297,7 +313,8 @@ class ChainStore:
             states = self.scan(chain_pre, tokens) if chain_pre else None
             v_e = None
             if commit:
-                v_e = self._commit(index, x_BGTD, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
+                x = torch.cat((_tokens(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
+                v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
             if not decode:
                 continue
             kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
@@ -309,13 +326,14 @@ class ChainStore:
             self.anchor_frame = anchor_post
 
     def _commit(self, index, x_BGTD, tokens, states, chain_pre, e, prev, anchor_post):
-        """Code frame e for `tokens`, store the new frame, re-anchor; returns e's states [B, G, Tb, D]."""
+        """Code frame e for `tokens` (x: the new frame's tokens), store the new frame, re-anchor;
+        returns e's states [B, G, Tb, D]."""
         v_e = None
         if e is not None:
             if self.R:
                 x_e = self.recent[:, :, e % self.R, tokens].float()
             else:
-                x_e = x_BGTD[:, :, tokens]
+                x_e = x_BGTD
             v_prev = None
             if prev is not None:
                 v_prev = self.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
@@ -328,7 +346,7 @@ class ChainStore:
             t0 = tokens.start // 8
             self.modes[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
         if self.R:
-            self.recent[:, :, index % self.R, tokens] = x_BGTD[:, :, tokens].to(FP)
+            self.recent[:, :, index % self.R, tokens] = x_BGTD.to(FP)
         if anchor_post is not None and anchor_post != self.anchor_frame:
             if anchor_post == e:
                 v_a = v_e.permute(0, 2, 1, 3)
@@ -368,6 +386,12 @@ class ChainStore:
         if self.B is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent))
+
+
+def _tokens(x, tokens: slice) -> Tensor:
+    """Tokens of a frame given as a tensor [B, H, T, D] or as something with `block(tokens)`
+    (`fastcache.RotatedKeys`: post-rotary keys made a block at a time)."""
+    return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
 
 
 def _code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from calibrate.cache import kept_frames
 from calibrate.codec import frame_nbytes
-from calibrate.fast_chain import rotate
+from calibrate.fast_chain import _tokens, rotate
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.logit_noise import logit_inflation
@@ -101,6 +101,7 @@ class FrameStore:
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
                                              device=self.device) for name, p in self.pools.items()}
         self.frame_block = frame_block
+        self.token_block = self.T
         self.B: int | None = None
         self._index_cache: dict[tuple, Tensor] = {}
 
@@ -128,13 +129,14 @@ class FrameStore:
         return [GroupCodec(spec, tensors, heads, b, self.D, self.device) for (b, _, _), heads in keys.items()]
 
     # ---- buffers --------------------------------------------------------------------------------
-    def allocate(self, x_k: Tensor, x_v: Tensor) -> None:
+    def allocate(self, x_k, x_v: Tensor) -> None:
         B = x_k.shape[0]
         if self.B is not None:
             if B != self.B:
                 raise ValueError(f"the cache was filled with batch {self.B}, got a frame of batch {B}")
             return
         self.B = B
+        x_k = x_k if isinstance(x_k, Tensor) else x_k.full()
         for name, pool in self.pools.items():
             for kind, x in (("k", x_k), ("v", x_v)):
                 bufs = []
@@ -146,18 +148,29 @@ class FrameStore:
                 pool.buffers[kind] = bufs
 
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor) -> None:
+        """Code a frame into `slot` of a pool; per-token codes a token block at a time (small temporaries)."""
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
-            for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
-                for key, t in g.encode(x[:, g.heads]).items():
-                    bufs[key][:, :, slot] = t
+            by_tokens = self.specs[kind].axis == "token" and self.specs[kind].sparse_fraction == 0
+            step = self.token_block if by_tokens else self.T
+            if step == self.T and not isinstance(x, Tensor):
+                x = x.full()  # per-channel ranges need the whole frame
+            for t0 in range(0, self.T, step):
+                tokens = slice(t0, t0 + step) if step < self.T else slice(None)
+                xt = _tokens(x, tokens) if step < self.T else x
+                for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
+                    for key, t in g.encode(xt if len(g.heads) == self.H else xt[:, g.heads]).items():
+                        bufs[key][:, :, slot, tokens] = t
 
-    def _decode(self, name: str, kind: str, slots: Tensor) -> Tensor:
-        """[B, H, J, T, D] of the pool's `slots`, every head."""
+    def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
+        """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`: every stored tensor with a token
+        axis is cut to them; per-channel parameters are not), every head."""
         pool = self.pools[name]
         out = None
+        cut = tokens != slice(None)
         for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
-            x = g.decode({key: t.index_select(2, slots) for key, t in bufs.items()}, self.T)
+            x = g.decode({key: (t[:, :, :, tokens] if cut and t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
+                          for key, t in bufs.items()}, self.T)
             if len(self.groups[name][kind]) == 1:
                 return x
             if out is None:
@@ -176,14 +189,21 @@ class FrameStore:
     # ---- a step ---------------------------------------------------------------------------------
     @property
     def single_block(self) -> bool:
-        return not self.frame_block
+        return not self.frame_block and self.token_block >= self.T
 
     def plan(self, B: int, budget: int) -> int:
-        """Set the frames per block from a workspace `budget` in bytes; returns the keys of one block."""
-        per_frame = B * self.H * self.T * self.D * 4 * 4  # decoded K and V and their intermediates
-        frames = max(1, budget // per_frame)
+        """Set the frames (and, without dense-and-sparse, tokens) per block from a workspace
+        `budget` in bytes; returns the keys of one block."""
+        per_token = B * self.H * self.D * 4 * 4  # decoded K and V and their intermediates
         most = self.sink + self.window
+        frames = max(1, budget // (per_token * self.T))
         self.frame_block = None if frames >= most else frames
+        self.token_block = self.T
+        if frames == 1 and not any(spec.sparse_fraction > 0 for spec in self.specs.values()):
+            self.frame_block = most  # every frame of a pool, a few tokens of each at a time
+            tokens = budget // (per_token * most)
+            self.token_block = min(self.T, max(8, tokens - tokens % 8))
+            return most * self.token_block
         return min(frames, most) * self.T
 
     def step(self, index: int, k_BHTD: Tensor, v_BHTD: Tensor, rope=None, decode: bool = True):
@@ -222,14 +242,15 @@ class FrameStore:
             step = self.frame_block or len(frames) or 1
             for i in range(0, len(frames), step):
                 chunk = frames[i: i + step]
-                yield self._block(name, chunk, rope)
+                for t0 in range(0, self.T, self.token_block):
+                    yield self._block(name, chunk, rope, slice(t0, t0 + self.token_block))
 
-    def _block(self, name: str, frames: list[int], rope):
+    def _block(self, name: str, frames: list[int], rope, tokens: slice = slice(None)):
         slots = self._index([self.pools[name].frame_slot[f] for f in frames])
-        k, v = self._decode(name, "k", slots), self._decode(name, "v", slots)
+        k, v = self._decode(name, "k", slots, tokens), self._decode(name, "v", slots, tokens)
         if self.pre_rotary:
             cos, sin = rope(frames)
-            k = rotate(k, cos[:, None], sin[:, None])
+            k = rotate(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, J, T, D = k.shape
         corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
         return k.reshape(B, H, J * T, D), v.reshape(B, H, J * T, D), corr

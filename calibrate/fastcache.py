@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from calibrate.cache import KVCache, Rope, attention_logits, attention_output, kept_frames
@@ -39,7 +40,7 @@ from calibrate.runtime import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
-MIN_WORKSPACE = 8 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
+MIN_WORKSPACE = 4 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
 RUNTIMES = ("auto", "fast", "reference")  # eval.runtime (config.EvalConfig)
 
 
@@ -85,6 +86,25 @@ def build_cache(recipe: Recipe, window: int, sink_frames: int, device, runtime: 
     return QuantizedKVCache.from_recipe(recipe, window, sink_frames, device)
 
 
+class RotatedKeys:
+    """A frame's post-rotary keys, computed a token block at a time when asked (`block`), or whole
+    (`full`): a blockwise step never holds the frame's rotated keys and their temporaries at once."""
+
+    def __init__(self, rope: Rope, k_BHTD: Tensor):
+        self.rope, self.k, self.shape = rope, k_BHTD, k_BHTD.shape
+
+    def block(self, tokens: slice) -> Tensor:
+        return Rope(self.rope.angles_BTA[:, tokens]).apply(self.k[:, :, tokens])
+
+    def full(self) -> Tensor:
+        return self.rope.apply(self.k)
+
+
+def token_block(x, tokens: slice) -> Tensor:
+    """Tokens of a frame [B, H, T, D] given as a tensor or as `RotatedKeys`."""
+    return x.block(tokens) if isinstance(x, RotatedKeys) else x[:, :, tokens]
+
+
 class _RotaryMemo:
     """cos/sin [B, F, T, A] of held frames' rotary, from their stored coordinates via `Rope.at`.
 
@@ -128,7 +148,8 @@ class _RotaryMemo:
 
 class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
-                 token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None):
+                 token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
+                 compute_dtype: torch.dtype | None = None, compile: str | None = None):
         problem = fast_path_problem(recipe)
         if problem is not None:
             raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
@@ -139,6 +160,8 @@ class FastKVCache(KVCache):
         self.query_chunk = query_chunk
         self.workspace_bytes = workspace_bytes
         self._planned = token_block is not None or query_chunk is not None
+        self.key_block = None
+        self.compute_dtype = compute_dtype  # attention matmuls (bfloat16 for a bf16 model on CUDA); None: the input's
         T = recipe.model.tokens_per_frame
         self.stores = []
         self.coords_dims = []
@@ -152,6 +175,10 @@ class FastKVCache(KVCache):
                 from calibrate.fast_frames import FrameStore
 
                 self.stores.append(FrameStore(recipe, i, window, sink_frames, self.device, token_block))
+        if compile:
+            for store in self.stores:
+                if isinstance(store, ChainStore):
+                    store.compile(compile)
         self._coords: list[Tensor | None] = [None] * self.num_layers  # [B, sink + window, P] float32
         self._rotary = _RotaryMemo()
 
@@ -170,7 +197,8 @@ class FastKVCache(KVCache):
         """The keys the layer stores: post-rotary, or pre-rotary with the frame's coordinates kept."""
         P = self.coords_dims[layer]
         if not P:
-            return key_rope.apply(k_BHTD)
+            lazy = RotatedKeys(key_rope, k_BHTD)
+            return lazy if not self.stores[layer].single_block else lazy.full()
         if key_rope.coords_BP is None or key_rope.at is None or key_rope.coords_BP.shape[-1] != P:
             got = "none" if key_rope.coords_BP is None else str(key_rope.coords_BP.shape[-1])
             raise ValueError(f"recipe {self.recipe.path or ''}: scheme.layers[{layer}].k.rotary_coords={P}: keys are "
@@ -190,13 +218,14 @@ class FastKVCache(KVCache):
         return rope
 
     def _plan(self, B: int) -> None:
-        """Block sizes from the workspace budget (default: half a frame's float16 K/V, at least
+        """Block sizes from the workspace budget (default: a quarter of a frame's float16 K/V, at least
         `MIN_WORKSPACE`): keys decoded per block, and queries per chunk so one block's logits fit."""
         info = self.recipe.model
-        budget = self.workspace_bytes or max(MIN_WORKSPACE, B * info.elements_per_frame)  # fp16 bytes / 2
+        budget = self.workspace_bytes or max(MIN_WORKSPACE, B * info.elements_per_frame // 2)  # a quarter frame, fp16
         keys = max(store.plan(B, budget) for store in self.stores)
         rows = max(1, budget // (B * info.num_kv_heads * keys * 4 * 2))
         self.query_chunk = None if rows >= info.tokens_per_frame else rows
+        self.key_block = keys
         self._planned = True
 
     # ---- the seam -------------------------------------------------------------------------------
@@ -221,7 +250,7 @@ class FastKVCache(KVCache):
 
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
         index, k_in, blocks = self._store_step(layer, k_BHTD, v_BHTD, key_rope, decode=True)
-        k_rot = k_in if not self.coords_dims[layer] else key_rope.apply(k_BHTD)
+        k_rot = k_in if not self.coords_dims[layer] else RotatedKeys(key_rope, k_BHTD)
         out = self._attention(layer, q_BHTD, k_rot, v_BHTD, blocks)
         self._num_appended[layer] = index + 1
         return out
@@ -237,11 +266,14 @@ class FastKVCache(KVCache):
         n = self._num_appended[layer]
         gone = set(kept_frames(n, self.window, self.sink_frames)) - set(kept_frames(n + 1, self.window, self.sink_frames))
         blocks = self.stores[layer].history(n, self._rope_fn(layer), exclude=min(gone) if gone else None)
-        return self._attention(layer, q_BHTD, key_rope.apply(k_BHTD), v_BHTD, blocks)
+        return self._attention(layer, q_BHTD, RotatedKeys(key_rope, k_BHTD), v_BHTD, blocks)
 
-    def _attention(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, blocks) -> Tensor:
-        """softmax attention of q over the history blocks and the fresh frame's own K/V."""
+    def _attention(self, layer: int, q_BHTD: Tensor, k_BHTD, v_BHTD: Tensor, blocks) -> Tensor:
+        """softmax attention of q over the history blocks and the fresh frame's own K/V (its keys
+        post-rotary: a tensor or `RotatedKeys`)."""
         store = self.stores[layer]
+        if isinstance(k_BHTD, RotatedKeys) and (store.single_block and not self.query_chunk):
+            k_BHTD = k_BHTD.full()
         bias = store.bias_fn(q_BHTD)  # per block: key-noise correction, or None
         if store.single_block and not self.query_chunk:  # small: one softmax over the whole history
             got = list(blocks)
@@ -255,9 +287,18 @@ class FastKVCache(KVCache):
                 mask = torch.cat([(corr.to(q_BHTD.dtype) if corr is not None else q_BHTD.new_zeros(H))[:, None]
                                   .expand(H, k.shape[2]) for k, _, corr in got] + [q_BHTD.new_zeros(H, T)], dim=1)
                 mask = bias(torch.ones(H, device=q_BHTD.device)) * mask[None, :, None, :]
+            if self.compute_dtype is not None and self.compute_dtype != q_BHTD.dtype:  # e.g. bf16 flash attention
+                cd = self.compute_dtype
+                out = F.scaled_dot_product_attention(q_BHTD.to(cd), k_all.to(cd), v_all.to(cd),
+                                                     attn_mask=None if mask is None else mask.to(cd))
+                return out.to(q_BHTD.dtype)
             return attention_output(attention_logits(q_BHTD, k_all, mask), v_all)
-        acc = OnlineSoftmax(q_BHTD, self.query_chunk)
-        acc.add(k_BHTD, v_BHTD)  # the fresh frame first: every row gets a finite logit
+        acc = OnlineSoftmax(q_BHTD, self.query_chunk, self.compute_dtype, key_block=self.key_block)
+        T = v_BHTD.shape[2]
+        step = self.key_block or T
+        for t0 in range(0, T, step):  # the fresh frame first: every row gets a finite logit
+            tokens = slice(t0, t0 + step)
+            acc.add(token_block(k_BHTD, tokens), v_BHTD[:, :, tokens])
         for k_h, v_h, corr in blocks:
             acc.add(k_h, v_h, None if corr is None else bias(corr))
         return acc.result()

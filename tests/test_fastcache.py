@@ -280,3 +280,43 @@ def test_frames_of_another_shape_are_refused():
         cache.attend(0, q[:, :, :2], k[:, :, :2], v[:, :, :2], Rope(rope.angles_BTA[:, :2]))
     with pytest.raises(ValueError, match="layers"):
         cache.attend(5, q, k, v, rope)
+
+
+# ---- the CUDA path, checked on the CPU by its reference -------------------------------------------------
+@pytest.mark.parametrize("blocks", [False, True])
+def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
+    """What `device=cuda` runs (benchmarks/gpu.py): the chain decode through torch.compile (the
+    eager backend here: the same capture, no compiler) and attention matmuls in bfloat16 (one
+    SDPA, or the blockwise merge with float32 sums), against the reference runtime in float32."""
+    recipe = predictive_recipe(recent=2)
+    ks, vs, ropes = sequence(14)
+    ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    extra = dict(token_block=8, query_chunk=3) if blocks else {}
+    fast = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compute_dtype=torch.bfloat16, compile="eager", **extra)
+    exact = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compile="eager", **extra)
+    g = torch.Generator().manual_seed(5)
+    for f in range(14):
+        q = torch.randn(2, 2, 4, 16, generator=g)
+        for layer in range(2):
+            want = ref.attend(layer, q, ks[f], vs[f], ropes[f])
+            torch.testing.assert_close(exact.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=0.05, rtol=0.02)  # bf16
+
+
+@pytest.mark.parametrize("name", ["naive2", "kivi2", "quarot2"])
+def test_per_frame_token_blocks_equal_the_reference(name):
+    """A small workspace: frames decoded and coded 8 tokens at a time (per-token codes; per-channel
+    ranges still see the whole frame), queries in chunks, the fresh frame's keys rotated per block."""
+    info = INFO.__class__("toy16", 2, 2, 16, T16, "f" * 16)
+    recipe = build_baseline(name, info)
+    ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1, workspace_bytes=12_000)
+    g = torch.Generator().manual_seed(6)
+    for f in range(9):
+        q, k, v = (torch.randn(1, 2, T16, 16, generator=g) for _ in range(3))
+        rope = Rope(torch.randn(1, T16, 8, generator=g))
+        for layer in range(2):
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
+                                       atol=ATOL_OUT, rtol=RTOL_OUT)
+        assert fast.nbytes() == ref.nbytes()
+    assert fast.stores[0].token_block == 8 and not fast.stores[0].single_block
