@@ -320,3 +320,11 @@ def test_per_frame_token_blocks_equal_the_reference(name):
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
         assert fast.nbytes() == ref.nbytes()
     assert fast.stores[0].token_block == 8 and not fast.stores[0].single_block
+
+
+def test_eval_runtime_is_checked_by_the_config():
+    from calibrate.config import to_config
+
+    assert to_config({"eval": {"runtime": "reference"}}).eval.runtime == "reference"
+    with pytest.raises(ValueError, match="eval.runtime must be one of auto, fast, reference"):
+        to_config({"eval": {"runtime": "turbo"}})
