@@ -3,8 +3,8 @@
     python -m benchmarks.runtime [--recipe PATH] [--out artifacts/benchmarks] [--quick]
 
 1. TinyWorld, batch 1, window 16 + 1 sink, a 64-frame orbit: ms per generated frame of the
-   model's own float32 cache, the float16 recipe, the default (predictive) recipe and the shipped
-   recipe, fast and reference runtimes; runs interleaved, best of three.
+   model's own float32 cache, the float16 recipe, the shipped (default, predictive) recipe and
+   per-frame baselines, fast and reference runtimes; runs interleaved, best of three.
 2. Wan-shaped attention (one layer, 12 heads x 128, 1560 tokens per frame, synthetic K/V that
    drift like video): one generated frame's attention over 8, 32 and 128 history frames, float16
    SDPA over a preallocated float16 ring vs the quantized caches: time, peak memory (torch's CPU
@@ -14,9 +14,8 @@
    eval.runtime=reference (the runtime before this change) and eval.runtime=auto.
 
 Times are CPU seconds of this process (`time.process_time`), which a shared machine disturbs
-less than wall time; both are written. `--recipe` is a predictive recipe made by
-`python -m calibrate trajectories=quick` (made here, ~4 min, when not given). Writes
-`runtime.md` and `runtime.json`.
+less than wall time; both are written. `--recipe` replaces the shipped recipe in part 1.
+Writes `runtime.md` and `runtime.json`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -59,26 +57,25 @@ def since(t0: tuple[float, float]) -> tuple[float, float]:
 
 
 # ---- 1. TinyWorld ------------------------------------------------------------------------------------
-def tinyworld(predictive_path: Path, frames: int, repeats: int) -> list[dict]:
+def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
     from calibrate.adapters import TinyWorldAdapter
     from calibrate.world.trajectories import make_trajectories
     from calibrate.world.weights import load_weights
 
     world = TinyWorldAdapter(load_weights(None))
     trajs = make_trajectories(["orbit"], "evaluation", 1, frames, 0)
-    pred = load_recipe(predictive_path, world.info)
-    shipped = load_recipe(SHIPPED, world.info)
+    shipped = load_recipe(recipe_path, world.info)
     fp16 = build_baseline("fp16", world.info)
+    kind = shipped.scheme.layers[0].k.kind
     L = world.info.num_layers
     caches = {
         "float32 cache (KVCache, the model's own)": lambda: KVCache(L, 16, 1),
         "fp16 recipe, fast": lambda: FastKVCache(fp16, 16, 1),
         "fp16 recipe, reference": lambda: QuantizedKVCache(fp16, 16, 1),
-        "predictive default, fast": lambda: FastKVCache(pred, 16, 1),
-        "predictive default, reference": lambda: QuantizedKVCache(pred, 16, 1),
-        "shipped recipe (per-frame codes), fast": lambda: FastKVCache(shipped, 16, 1),
-        "shipped recipe (per-frame codes), reference": lambda: QuantizedKVCache(shipped, 16, 1),
-        **{f"{n}, fast": (lambda n=n: FastKVCache(build_baseline(n, world.info), 16, 1)) for n in ("naive2", "kivi2", "quarot2")},
+        f"shipped recipe ({kind}), fast": lambda: FastKVCache(shipped, 16, 1),
+        f"shipped recipe ({kind}), reference": lambda: QuantizedKVCache(shipped, 16, 1),
+        **{f"{n}, {rt}": (lambda n=n, c=c: c(build_baseline(n, world.info), 16, 1))
+           for n in ("naive2", "kivi2", "quarot2") for rt, c in (("fast", FastKVCache), ("reference", QuantizedKVCache))},
     }
     best: dict[str, list[float]] = {name: [math.inf, math.inf] for name in caches}
     cpu = torch.device("cpu")
@@ -270,24 +267,15 @@ uses. The predictive cache is measured up to the history its O(F) decode per app
 fill in reasonable time on this CPU (filling F frames decodes the chain F times)."""
 
 
-def ensure_recipe(path: Path | None) -> Path:
-    if path is not None:
-        return path
-    out = Path("artifacts/runs/benchmark-runtime-recipe")
-    if not (out / "recipe.safetensors").exists():
-        subprocess.run([sys.executable, "-m", "calibrate", "trajectories=quick", f"hydra.run.dir={out}"], check=True)
-    return out / "recipe.safetensors"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", type=Path, default=None, help="a predictive TinyWorld recipe (default: made here)")
+    parser.add_argument("--recipe", type=Path, default=SHIPPED, help="the TinyWorld recipe of part 1 (default: the shipped one)")
     parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
     parser.add_argument("--quick", action="store_true", help="histories 8 and 32 only, no compare/check")
     parser.add_argument("--compare-frames", type=int, default=48)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    recipe = ensure_recipe(args.recipe)
+    recipe = args.recipe
     res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": "OMP_NUM_THREADS=1 python -m benchmarks.runtime " + " ".join(sys.argv[1:]),
            "machine": {"cpus": os.cpu_count(), "load_start": [round(x, 1) for x in os.getloadavg()],

@@ -230,7 +230,14 @@ class ChainStore:
         return self._values_core(states)
 
     def _values(self, states: Tensor) -> Tensor:
-        return torch.einsum("btgjk,gke->bgjte", states.float(), self.unit_rot) + self.mean[None, :, None, None, :]
+        # the reference's own steps, (unit * v) @ R^T + mean over every component, so the values
+        # (not only the states) come out bitwise as the reference runtime's
+        ext = torch.nn.functional.pad(states.float().permute(0, 2, 3, 1, 4), (0, 1))  # [B, G, J, Tb, Dc + 1]
+        B, G, J, Tb = ext.shape[:4]
+        D = self.D
+        v = torch.gather(ext, -1, self.pos[None, :, None, None, :].expand(B, G, J, Tb, D))  # 0 where uncoded
+        x = (self.unit[:, None, :] * v.reshape(B, G, J * Tb, D)) @ self.rotation.transpose(-1, -2) + self.mean[:, None, :]
+        return x.view(B, G, J, Tb, D)
 
     # ---- a step -----------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ from calibrate.fast_chain import ChainStore, rotate
 from calibrate.memory import predicted_cache_bytes
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
-from calibrate.runtime import QuantizedKVCache
+from calibrate.runtime import QuantizedKVCache, check_fitted_window
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ def fast_path_problem(recipe: Recipe) -> str | None:
 
     D = recipe.model.head_dim
     for i, pair in enumerate(recipe.scheme.layers):
+        if getattr(pair.k, "jensen", False):
+            return f"layer {i} k: the Jensen-bias correction (jensen)"
         kinds = {pair.k.kind == "predictive", pair.v.kind == "predictive"}
         if kinds == {True, False}:
             return f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
@@ -153,6 +155,7 @@ class FastKVCache(KVCache):
         problem = fast_path_problem(recipe)
         if problem is not None:
             raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
+        check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)
         self.recipe = recipe
         self.policy = recipe.scheme.policy
