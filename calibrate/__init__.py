@@ -4,11 +4,14 @@ autoregressive video world models.
 Public API for runtimes and notebooks:
 
 - `load_recipe(path, model=None)`: read and validate a recipe file (recipes/FORMAT.md);
-- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the packed runtime cache;
+- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the packed runtime cache (reference);
+- `FastKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the same codes in preallocated buffers,
+  decoded blockwise (`fastcache.py`);
 - `load_model(name)`: the built-in TinyWorld model with its shipped weights.
 """
 
 from calibrate.recipe import load_recipe
+from calibrate.fastcache import FastKVCache
 from calibrate.runtime import QuantizedKVCache
 
 
@@ -21,4 +24,4 @@ def load_model(name: str = "tinyworld", weights: str | None = None):
     return load_weights(weights)
 
 
-__all__ = ["load_recipe", "load_model", "QuantizedKVCache"]
+__all__ = ["load_recipe", "load_model", "QuantizedKVCache", "FastKVCache"]

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.adapters.wan_diffusers import WanSettings
+from calibrate.fastcache import RUNTIMES
 from calibrate.types import FAMILIES
 from calibrate.world.train_config import TrainConfig
 
@@ -178,6 +179,11 @@ class EvalConfig:
     psnr_threshold_db: float = 30.0  # drift: first frame whose psnr_ref falls below this
     strips: bool = True  # GIF strips of each scheme's worst trajectory and the players of report.html
     attention: bool = True  # per-layer attention KL / top-frame agreement (costs a second pass)
+    runtime: str = "auto"  # quantized caches: auto (fast runtime, else the reference with a log line) | fast | reference
+
+    def check(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"config: eval.runtime must be one of {', '.join(RUNTIMES)}, got '{self.runtime}'")
 
 
 @dataclass
@@ -232,6 +238,7 @@ def validate(cfg: Config) -> None:
                          f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
     cfg.fit.check()
+    cfg.eval.check()
     cfg.train.check()
     if cfg.task == "train_world" and cfg.model.name != "tinyworld":
         raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")

@@ -228,7 +228,7 @@ def evaluate_schemes(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], mod
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
                     cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames,
-                    on_rollout=sheets)
+                    on_rollout=sheets, runtime=cfg.eval.runtime)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
     return Evaluation(runs, rep, sheets)
@@ -456,7 +456,8 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     check_cfg = gate.check_trajectories(cfg)
     check_rep = report_mod.build(
         evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
-                 cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False),
+                 cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False,
+                 runtime=cfg.eval.runtime),
         [], {}, cfg.eval.psnr_threshold_db)
     metrics["check"] = summary_metrics(check_rep)
     recipe.metadata["metrics"] = json.dumps(metrics, sort_keys=True)
@@ -481,7 +482,8 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
-                    cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets)
+                    cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets,
+                    runtime=cfg.eval.runtime)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
     recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")

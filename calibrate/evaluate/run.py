@@ -3,7 +3,8 @@
 For each batch of trajectories (equal length) the full-precision reference rollout runs once,
 through a `ShadowCache` that also feeds every scheme's quantized cache the same K/V (per-layer
 attention KL, most-attended-frame agreement, output error: teacher-forced). Then each scheme
-rolls out on its own through its `QuantizedKVCache` (the real runtime: packed codes), and the
+rolls out on its own through its packed runtime (`fastcache.build_cache`: the fast runtime, or the
+reference `QuantizedKVCache` as `eval.runtime` says), and the
 per-frame series are computed against the fp rollout and the ground truth. Memory is counted
 from the runtime's tensors at the end of the rollout (steady state).
 
@@ -36,7 +37,7 @@ from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
 from calibrate.memory import fp16_cache_bytes
-from calibrate.runtime import QuantizedKVCache
+from calibrate.fastcache import build_cache
 from calibrate.shadow import ShadowCache
 from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import revisit_pairs
@@ -109,9 +110,11 @@ def setting_key(info: ModelInfo, trajs: list[Trajectory], window: int, sink_fram
                     "window": window, "sink_frames": sink_frames, "batch_size": batch_size, "device": device.type})
 
 
-def partial_key(setting: str, recipe: Recipe, attention: bool) -> str:
-    """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics computed."""
-    return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention})
+def partial_key(setting: str, recipe: Recipe, attention: bool, runtime: str = "auto") -> str:
+    """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics
+    computed, the runtime asked for (fast and reference differ in float rounding)."""
+    return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention,
+                    "runtime": runtime})
 
 
 def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict, key: str, frames: bool) -> None:
@@ -180,12 +183,14 @@ def _reusable(partial_dir: Path | None, keys: dict[str, str], num_batches: int, 
 
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
-             keep_frames: bool = False, on_rollout=None) -> dict[str, SchemeRun]:
+             keep_frames: bool = False, on_rollout=None, runtime: str = "auto") -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`).
 
     `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
     as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
     model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
+    `runtime` picks the quantized caches (`fastcache.RUNTIMES`). Each rollout shows its frames
+    as a progress bar with an ETA.
     """
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
@@ -195,7 +200,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     keys = {}
     if partial_dir is not None:
         setting = setting_key(world.info, trajs, window, sink_frames, batch_size, device)
-        keys = {name: partial_key(setting, r, attention) for name, r in recipes.items()}
+        keys = {name: partial_key(setting, r, attention, runtime) for name, r in recipes.items()}
     reuse = _reusable(partial_dir, keys, len(groups), on_rollout is not None, keep_frames)
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
     first = 0
@@ -206,9 +211,10 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
         if todo:  # the fp reference is rolled out only for schemes that are computed
             truth = world.ground_truth(group, device)
             has_truth = truth is not None
-            shadows = {n: QuantizedKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo} if attention else {}
+            shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo} if attention else {}
             fp_cache = ShadowCache(layers, window, sink_frames, shadows)
-            ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth)
+            where = f"batch {bi + 1}/{len(groups)}"
+            ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth, desc=f"fp reference, {where}")
             if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
                 truth = ref
         for name in recipes:
@@ -216,8 +222,8 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             if name not in todo:
                 results, memory, attn = _load_partial(path)
             else:
-                cache = QuantizedKVCache.from_recipe(recipes[name], window, sink_frames, device)
-                quant, _ = rollout_batch(world, group, cache, device, truth=truth)
+                cache = build_cache(recipes[name], window, sink_frames, device, runtime)
+                quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}")
                 results = _traj_results(group, ref, quant, truth)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),

@@ -1,0 +1,307 @@
+"""The fast runtime's storage of per-frame codes (`kind` uniform or codebook): one ring per class.
+
+A frame's K/V of one layer are held, per the token policy (memory.final_bits), at the width of
+its class: `recent` (the newest `recent_frames`, at `recent_bits`), `sink`, `key` (key frames)
+or `main` (the spec's width per head). `FrameStore` keeps one *pool* per class, each a set of
+buffers [B, Hg, capacity, ...] per group of heads stored alike (`quant/headcodec.GroupCodec`:
+same width, same clip ratio, compensator or not), allocated at the first frame. A frame gets a
+slot in its class's pool when it is coded (at once, or when it leaves the recent window, from
+its float16 copy) and gives it back when evicted; the capacity of each pool is the most frames
+of its class a cache with this window ever holds, so a steady-state step allocates nothing.
+
+Attention reads a pool as blocks of its live slots, every group decoded at once
+(`GroupCodec.decode`), heads put back in order; the key-noise logit correction applies to the
+heads of a pool whose class width is the head's own width below 16 (recipes/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from calibrate.cache import kept_frames
+from calibrate.codec import frame_nbytes
+from calibrate.fast_chain import _tokens, rotate
+from calibrate.memory import is_keyframe
+from calibrate.quant.headcodec import GroupCodec
+from calibrate.quant.logit_noise import logit_inflation
+from calibrate.recipe import TensorSpec
+
+CLASSES = ("recent", "sink", "key", "main")
+
+
+def problem(spec: TensorSpec, D: int) -> str | None:
+    """Why a per-frame spec has no fast path, or None."""
+    if spec.kind not in ("uniform", "codebook"):
+        return f"kind '{spec.kind}'"
+    if D % 8:
+        return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
+    return None
+
+
+def frame_class(policy, index: int, num_appended: int) -> str:
+    if policy.recent_frames and index >= num_appended - policy.recent_frames:
+        return "recent"
+    if index < policy.sink_frames:
+        return "sink"
+    if is_keyframe(policy, index):
+        return "key"
+    return "main"
+
+
+class Pool:
+    """The slots of one class: per tensor (K, V), per group of heads, buffers [B, Hg, cap, ...]."""
+
+    def __init__(self, name: str, widths: dict[str, list[int]], capacity: int):
+        self.name, self.widths, self.capacity = name, widths, capacity
+        self.free = list(range(capacity))
+        self.frame_slot: dict[int, int] = {}
+        self.buffers: dict[str, list[dict[str, Tensor]]] = {}
+        self.slot_bytes = 0
+
+    def alloc(self, frame: int) -> int:
+        slot = self.free.pop(0) if self.name != "recent" else frame % self.capacity
+        self.frame_slot[frame] = slot
+        return slot
+
+    def release(self, frame: int) -> None:
+        slot = self.frame_slot.pop(frame)
+        if self.name != "recent":
+            self.free.append(slot)
+            self.free.sort()
+
+
+class FrameStore:
+    """One layer's K and V coded per frame (see the module docstring)."""
+
+    def __init__(self, recipe, layer: int, window: int, sink_frames: int, device, frame_block: int | None = None):
+        self.policy = pol = recipe.scheme.policy
+        self.window, self.sink = window, sink_frames
+        info = recipe.model
+        self.H, self.D, self.T = info.num_kv_heads, info.head_dim, info.tokens_per_frame
+        self.specs = {"k": recipe.spec(layer, "k"), "v": recipe.spec(layer, "v")}
+        self.pre_rotary = self.specs["k"].rotary_coords > 0
+        self.device = torch.device(device)
+        tensors = {kind: {k: v.to(self.device) for k, v in recipe.layer_tensors(layer, kind).items()} for kind in "kv"}
+        self.var_HD = tensors["k"].get("logit_bias")
+        self.k_rotation = tensors["k"].get("rotation")
+        native = {kind: [spec.bits_of(h) for h in range(self.H)] for kind, spec in self.specs.items()}
+        widths_of = {"recent": lambda kind: [pol.recent_bits] * self.H, "sink": lambda kind: [pol.sink_bits] * self.H,
+                     "key": lambda kind: [pol.keyframe_bits] * self.H, "main": lambda kind: native[kind]}
+        capacity = self._capacities()
+        self.pools: dict[str, Pool] = {}
+        self.groups: dict[str, dict[str, list[GroupCodec]]] = {}
+        for name in CLASSES:
+            if capacity[name] == 0:
+                continue
+            widths = {kind: widths_of[name](kind) for kind in "kv"}
+            self.pools[name] = Pool(name, widths, capacity[name])
+            self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+        # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
+        self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
+                                             device=self.device) for name, p in self.pools.items()}
+        self.frame_block = frame_block
+        self.token_block = self.T
+        self.B: int | None = None
+        self._index_cache: dict[tuple, Tensor] = {}
+
+    def _capacities(self) -> dict[str, int]:
+        """The most frames of each class held at once (simulated over a few key-frame periods)."""
+        pol, W, S = self.policy, self.window, self.sink
+        most = dict.fromkeys(CLASSES, 0)
+        horizon = S + W + pol.recent_frames + 3 * max(pol.keyframe_interval, 1) + 4
+        for n in range(1, horizon):
+            count = dict.fromkeys(CLASSES, 0)
+            for f in kept_frames(n, W, S):
+                count[frame_class(pol, f, n)] += 1
+            most = {c: max(most[c], count[c]) for c in CLASSES}
+        if pol.recent_frames:
+            most["recent"] = pol.recent_frames
+        return most
+
+    def _groups(self, spec: TensorSpec, tensors: dict, widths: list[int]) -> list[GroupCodec]:
+        """Heads stored alike: same width, same clip, compensator or not (codec.head_params)."""
+        keys: dict[tuple, list[int]] = {}
+        clip = tensors.get("clip")
+        for h, b in enumerate(widths):
+            c = spec.clip if clip is None else float(clip[h])
+            keys.setdefault((b, c, b == spec.bits_of(h)), []).append(h)
+        return [GroupCodec(spec, tensors, heads, b, self.D, self.device) for (b, _, _), heads in keys.items()]
+
+    # ---- buffers --------------------------------------------------------------------------------
+    def allocate(self, x_k, x_v: Tensor) -> None:
+        B = x_k.shape[0]
+        if self.B is not None:
+            if B != self.B:
+                raise ValueError(f"the cache was filled with batch {self.B}, got a frame of batch {B}")
+            return
+        self.B = B
+        x_k = x_k if isinstance(x_k, Tensor) else x_k.full()
+        for name, pool in self.pools.items():
+            for kind, x in (("k", x_k), ("v", x_v)):
+                bufs = []
+                for g in self.groups[name][kind]:
+                    sample = g.encode(x[:, g.heads])
+                    bufs.append({key: torch.zeros(t.shape[0], t.shape[1], pool.capacity, *t.shape[2:], dtype=t.dtype,
+                                                  device=t.device) for key, t in sample.items()})
+                    pool.slot_bytes += sum(t.numel() * t.element_size() for t in sample.values())
+                pool.buffers[kind] = bufs
+
+    def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor) -> None:
+        """Code a frame into `slot` of a pool; per-token codes a token block at a time (small temporaries)."""
+        pool = self.pools[name]
+        for kind, x in (("k", x_k), ("v", x_v)):
+            by_tokens = self.specs[kind].axis == "token" and self.specs[kind].sparse_fraction == 0
+            step = self.token_block if by_tokens else self.T
+            if step == self.T and not isinstance(x, Tensor):
+                x = x.full()  # per-channel ranges need the whole frame
+            for t0 in range(0, self.T, step):
+                tokens = slice(t0, t0 + step) if step < self.T else slice(None)
+                xt = _tokens(x, tokens) if step < self.T else x
+                for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
+                    for key, t in g.encode(xt if len(g.heads) == self.H else xt[:, g.heads]).items():
+                        bufs[key][:, :, slot, tokens] = t
+
+    def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
+        """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`: every stored tensor with a token
+        axis is cut to them; per-channel parameters are not), every head."""
+        pool = self.pools[name]
+        out = None
+        cut = tokens != slice(None)
+        for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
+            x = g.decode({key: (t[:, :, :, tokens] if cut and t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
+                          for key, t in bufs.items()}, self.T)
+            if len(self.groups[name][kind]) == 1:
+                return x
+            if out is None:
+                out = x.new_empty(x.shape[0], self.H, *x.shape[2:])
+            out[:, g.heads] = x
+        return out
+
+    def _index(self, values: list[int]) -> Tensor:
+        key = tuple(values)
+        if key not in self._index_cache:
+            if len(self._index_cache) > 256:
+                self._index_cache.clear()
+            self._index_cache[key] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self._index_cache[key]
+
+    # ---- a step ---------------------------------------------------------------------------------
+    @property
+    def single_block(self) -> bool:
+        return not self.frame_block and self.token_block >= self.T
+
+    def plan(self, B: int, budget: int) -> int:
+        """Set the frames (and, without dense-and-sparse, tokens) per block from a workspace
+        `budget` in bytes; returns the keys of one block."""
+        per_token = B * self.H * self.D * 4 * 4  # decoded K and V and their intermediates
+        most = self.sink + self.window
+        frames = max(1, budget // (per_token * self.T))
+        self.frame_block = None if frames >= most else frames
+        self.token_block = self.T
+        if frames == 1 and not any(spec.sparse_fraction > 0 for spec in self.specs.values()):
+            self.frame_block = most  # every frame of a pool, a few tokens of each at a time
+            tokens = budget // (per_token * most)
+            self.token_block = min(self.T, max(8, tokens - tokens % 8))
+            return most * self.token_block
+        return min(frames, most) * self.T
+
+    def step(self, index: int, k_BHTD: Tensor, v_BHTD: Tensor, rope=None, decode: bool = True):
+        """Store frame `index` (K as stored, V), move the frame leaving the recent window to its
+        class, evict; then (when `decode`) the history blocks of the frame."""
+        self.allocate(k_BHTD, v_BHTD)
+        pol, n = self.policy, index
+        post = set(kept_frames(n + 1, self.window, self.sink))
+        for pool in self.pools.values():  # evict first: their slots take the new frames
+            for f in [f for f in pool.frame_slot if f not in post]:
+                pool.release(f)
+        R = pol.recent_frames
+        leaving = index - R
+        if R and leaving >= 0 and leaving in post and leaving in self.pools["recent"].frame_slot:
+            slot = self.pools["recent"].frame_slot[leaving]
+            bufs = self.pools["recent"].buffers
+            x = {kind: bufs[kind][0]["fp16"][:, :, slot].float() for kind in "kv"} if self._recent_fp16() else \
+                {kind: self._decode("recent", kind, self._index([slot]))[:, :, 0] for kind in "kv"}
+            self.pools["recent"].release(leaving)
+            name = frame_class(pol, leaving, n + 1)
+            self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"])
+        name = frame_class(pol, index, n + 1)
+        self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD)
+        if decode:
+            yield from self.history(n + 1, rope, exclude=index)
+
+    def _recent_fp16(self) -> bool:
+        return all(len(gs) == 1 and gs[0].bits >= 16 for gs in self.groups["recent"].values())
+
+    def history(self, n: int, rope=None, exclude: int | None = None):
+        """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but `exclude`."""
+        if self.B is None:
+            return
+        for name, pool in self.pools.items():
+            frames = sorted(f for f in pool.frame_slot if f != exclude)
+            step = self.frame_block or len(frames) or 1
+            for i in range(0, len(frames), step):
+                chunk = frames[i: i + step]
+                for t0 in range(0, self.T, self.token_block):
+                    yield self._block(name, chunk, rope, slice(t0, t0 + self.token_block))
+
+    def _block(self, name: str, frames: list[int], rope, tokens: slice = slice(None)):
+        slots = self._index([self.pools[name].frame_slot[f] for f in frames])
+        k, v = self._decode(name, "k", slots, tokens), self._decode(name, "v", slots, tokens)
+        if self.pre_rotary:
+            cos, sin = rope(frames)
+            k = rotate(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
+        B, H, J, T, D = k.shape
+        corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
+        return k.reshape(B, H, J * T, D), v.reshape(B, H, J * T, D), corr
+
+    def bias_fn(self, q_BHTD: Tensor):
+        """corrected heads [H] -> additive logits [B, H, T, 1] (minus the expected key-noise inflation)."""
+        if self.var_HD is None:
+            return None
+        c = logit_inflation(q_BHTD, self.var_HD, self.k_rotation)  # [B, H, T]
+        return lambda corr: -(c * corr.to(c.dtype)[None, :, None]).unsqueeze(-1)
+
+    # ---- reading (materializing) -------------------------------------------------------------------
+    def read(self, n: int, frames: list[int], rope) -> tuple[Tensor, Tensor]:
+        """Post-rotary K and V [B, H, F*T, D] of held `frames`, in that order (each pool decoded once)."""
+        ks, vs, order = [], [], []
+        for name, pool in self.pools.items():
+            fs = [f for f in frames if f in pool.frame_slot]
+            if fs:
+                k, v, _ = self._block(name, fs, rope)
+                ks.append(k)
+                vs.append(v)
+                order += fs
+        if not order:
+            raise ValueError("no frames to read")
+        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        B, H, _, D = k.shape
+        pos = torch.tensor([order.index(f) for f in frames], device=k.device)
+        pick = lambda x: x.view(B, H, len(order), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
+        return pick(k), pick(v)
+
+    def logit_bias(self, n: int, q_BHTD: Tensor, frames: list[int]) -> Tensor | None:
+        """As QuantizedKVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""
+        if self.var_HD is None:
+            return None
+        B, H, T, _ = q_BHTD.shape
+        cols = []
+        for f in frames:
+            name = next(p for p, pool in self.pools.items() if f in pool.frame_slot)
+            cols.append(self.corrected[name].to(q_BHTD.dtype))
+        corrected_HF = torch.stack(cols, dim=1) if cols else q_BHTD.new_zeros(H, 0)
+        mask_HN = torch.cat([corrected_HF.repeat_interleave(T, dim=1), corrected_HF.new_zeros(H, T)], dim=1)
+        c_BHT = logit_inflation(q_BHTD, self.var_HD, self.k_rotation)
+        return -c_BHT.unsqueeze(-1) * mask_HN[None, :, None, :]
+
+    # ---- bytes ----------------------------------------------------------------------------------------
+    def nbytes(self, n: int) -> int:
+        return sum(len(pool.frame_slot) * pool.slot_bytes for pool in self.pools.values())
+
+    def capacity_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self.pools.values() for bufs in pool.buffers.values()
+                   for b in bufs for t in b.values())
+
+
+__all__ = ["FrameStore", "frame_class", "frame_nbytes", "problem"]

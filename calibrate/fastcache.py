@@ -1,0 +1,342 @@
+"""The fast runtime: a packed, quantized KV cache with preallocated buffers and blockwise attention.
+
+`FastKVCache.from_recipe(recipe)` runs the same recipe as the reference `runtime.QuantizedKVCache`
+(same token policy, same codes, same bytes) without its per-frame dicts and per-head loops:
+
+- per layer one store holds K and V in buffers allocated at the first frame: a predictive
+  recipe in `fast_chain.ChainStore` (a ring of packed delta frames, one anchor, a float16 recent
+  ring), per-frame codes in `fast_frames.FrameStore` (one ring per precision class). Sink,
+  recent-window and anchor slots are addressed by frame index, so a steady-state step writes
+  into existing storage and has no Python loop over heads or frames;
+- attention never holds the decoded history in full precision: a store decodes it a block at a
+  time (`quant/blockattn.OnlineSoftmax` merges the blocks; one block, the plain softmax, when it
+  is small), so the extra memory of a step is one block's keys and values and its logits;
+- keys stored before the rotary encoding are rotated by their frame's rotary, recomputed from the
+  stored coordinates (`Rope.at`) once per step for all layers (`_RotaryMemo`).
+
+What it computes is what `KVCache.attend` computes (tests hold the integer codes and states equal
+to the reference runtime's and the outputs within float rounding). Nothing observes it: shadowing
+and recording need the materialized history of `KVCache.attend`; `read`/`gather`/`logits` are
+there (materializing) for `shadow.ShadowCache` and tests.
+
+A recipe this runtime cannot run yet is refused by `fast_path_problem` with one line naming the
+kind; `build_cache(runtime="auto")` then falls back to the reference runtime with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from calibrate.cache import KVCache, Rope, attention_logits, attention_output, kept_frames
+from calibrate.fast_chain import ChainStore, rotate
+from calibrate.memory import predicted_cache_bytes
+from calibrate.quant.blockattn import OnlineSoftmax
+from calibrate.recipe import Recipe
+from calibrate.runtime import QuantizedKVCache, check_fitted_window
+
+log = logging.getLogger(__name__)
+
+MIN_WORKSPACE = 4 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
+RUNTIMES = ("auto", "fast", "reference")  # eval.runtime (config.EvalConfig)
+
+
+class FastPathError(ValueError):
+    """A recipe the fast runtime has no path for (the message names the kind)."""
+
+
+def fast_path_problem(recipe: Recipe) -> str | None:
+    """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None."""
+    from calibrate import fast_frames
+
+    D = recipe.model.head_dim
+    for i, pair in enumerate(recipe.scheme.layers):
+        if getattr(pair.k, "jensen", False):
+            return f"layer {i} k: the Jensen-bias correction (jensen)"
+        kinds = {pair.k.kind == "predictive", pair.v.kind == "predictive"}
+        if kinds == {True, False}:
+            return f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
+        if pair.k.kind == "predictive":
+            if pair.k.temporal != pair.v.temporal:
+                return f"layer {i}: predictive K and V with different 'temporal'"
+            continue
+        for kind, spec in (("k", pair.k), ("v", pair.v)):
+            problem = fast_frames.problem(spec, D)
+            if problem:
+                return f"layer {i} {kind}: {problem}"
+    return None
+
+
+def build_cache(recipe: Recipe, window: int, sink_frames: int, device, runtime: str = "auto") -> KVCache:
+    """The cache evaluation runs: `fast` (error without a fast path), `reference`, or `auto`
+    (fast, else the reference with one log line naming the kind)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"config: eval.runtime must be one of {', '.join(RUNTIMES)}, got '{runtime}'")
+    if runtime == "reference":
+        return QuantizedKVCache.from_recipe(recipe, window, sink_frames, device)
+    problem = fast_path_problem(recipe)
+    if problem is None:
+        return FastKVCache.from_recipe(recipe, window, sink_frames, device)
+    name = recipe.scheme.name
+    if runtime == "fast":
+        raise FastPathError(f"eval.runtime=fast: recipe '{name}' has no fast path ({problem}); "
+                            f"use eval.runtime=auto or reference")
+    log.info("recipe '%s': no fast path (%s); using the reference runtime", name, problem)
+    return QuantizedKVCache.from_recipe(recipe, window, sink_frames, device)
+
+
+class RotatedKeys:
+    """A frame's post-rotary keys, computed a token block at a time when asked (`block`), or whole
+    (`full`): a blockwise step never holds the frame's rotated keys and their temporaries at once."""
+
+    def __init__(self, rope: Rope, k_BHTD: Tensor):
+        self.rope, self.k, self.shape = rope, k_BHTD, k_BHTD.shape
+
+    def block(self, tokens: slice) -> Tensor:
+        return Rope(self.rope.angles_BTA[:, tokens]).apply(self.k[:, :, tokens])
+
+    def full(self) -> Tensor:
+        return self.rope.apply(self.k)
+
+
+def token_block(x, tokens: slice) -> Tensor:
+    """Tokens of a frame [B, H, T, D] given as a tensor or as `RotatedKeys`."""
+    return x.block(tokens) if isinstance(x, RotatedKeys) else x[:, :, tokens]
+
+
+class _RotaryMemo:
+    """cos/sin [B, F, T, A] of held frames' rotary, from their stored coordinates via `Rope.at`.
+
+    Computed once per set of frames and shared by every layer of a step (their frames agree);
+    `at` is called on all frames at once when it maps rows independently (checked once against
+    per-frame calls), else once per frame. Workspace, not cache: it holds no K/V.
+    """
+
+    def __init__(self):
+        self.at = None
+        self.batched: bool | None = None
+        self.memo: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def angles(self, coords_BFP: Tensor) -> Tensor:
+        B, F, P = coords_BFP.shape
+        if self.batched is not False:
+            out = self.at(coords_BFP.reshape(B * F, P)).angles_BTA
+            if self.batched is None:
+                ok = out.shape[0] == B * F and torch.equal(out.reshape(B, F, *out.shape[1:]), self._per_frame(coords_BFP))
+                self.batched = ok
+            if self.batched:
+                return out.reshape(B, F, *out.shape[1:])
+        return self._per_frame(coords_BFP)
+
+    def _per_frame(self, coords_BFP: Tensor) -> Tensor:
+        B = coords_BFP.shape[0]
+        return torch.stack([self.at(coords_BFP[:, f]).angles_BTA.expand(B, -1, -1) for f in range(coords_BFP.shape[1])], 1)
+
+    def get(self, frames: list[int], coords_BFP: Tensor) -> tuple[Tensor, Tensor]:
+        key = tuple(frames)
+        if key not in self.memo:
+            if len(self.memo) >= 4:
+                self.memo.pop(next(iter(self.memo)))
+            a = self.angles(coords_BFP)
+            self.memo[key] = (a.cos(), a.sin())
+        return self.memo[key]
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() * 2 for c, _ in self.memo.values())
+
+
+class FastKVCache(KVCache):
+    def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
+                 token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
+                 compute_dtype: torch.dtype | None = None, compile: str | None = None):
+        problem = fast_path_problem(recipe)
+        if problem is not None:
+            raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
+        check_fitted_window(recipe, window, sink_frames)
+        super().__init__(recipe.model.num_layers, window, sink_frames)
+        self.recipe = recipe
+        self.policy = recipe.scheme.policy
+        self.device = torch.device(device)
+        self.query_chunk = query_chunk
+        self.workspace_bytes = workspace_bytes
+        self._planned = token_block is not None or query_chunk is not None
+        self.key_block = None
+        self.compute_dtype = compute_dtype  # attention matmuls (bfloat16 for a bf16 model on CUDA); None: the input's
+        T = recipe.model.tokens_per_frame
+        self.stores = []
+        self.coords_dims = []
+        for i, pair in enumerate(recipe.scheme.layers):
+            self.coords_dims.append(pair.k.rotary_coords)
+            if pair.k.kind == "predictive":
+                self.stores.append(ChainStore(recipe.layer_tensors(i, "k"), recipe.layer_tensors(i, "v"),
+                                              pair.k.rotary_coords > 0, pair.k.temporal, self.policy, window,
+                                              sink_frames, T, self.device, token_block))
+            else:
+                from calibrate.fast_frames import FrameStore
+
+                self.stores.append(FrameStore(recipe, i, window, sink_frames, self.device, token_block))
+        if compile:
+            for store in self.stores:
+                if isinstance(store, ChainStore):
+                    store.compile(compile)
+        self._coords: list[Tensor | None] = [None] * self.num_layers  # [B, sink + window, P] float32
+        self._rotary = _RotaryMemo()
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu", **kw) -> "FastKVCache":
+        return cls(recipe, window=window, sink_frames=sink_frames, device=device, **kw)
+
+    # ---- frames ---------------------------------------------------------------------------------
+    def frame_indices(self, layer: int = 0) -> list[int]:
+        return kept_frames(self._num_appended[layer], self.window, self.sink_frames)
+
+    def _ring(self, f: int) -> int:
+        return f if f < self.sink_frames else self.sink_frames + (f - self.sink_frames) % self.window
+
+    def _key_input(self, layer: int, k_BHTD: Tensor, key_rope: Rope, index: int) -> Tensor:
+        """The keys the layer stores: post-rotary, or pre-rotary with the frame's coordinates kept."""
+        P = self.coords_dims[layer]
+        if not P:
+            lazy = RotatedKeys(key_rope, k_BHTD)
+            return lazy if not self.stores[layer].single_block else lazy.full()
+        if key_rope.coords_BP is None or key_rope.at is None or key_rope.coords_BP.shape[-1] != P:
+            got = "none" if key_rope.coords_BP is None else str(key_rope.coords_BP.shape[-1])
+            raise ValueError(f"recipe {self.recipe.path or ''}: scheme.layers[{layer}].k.rotary_coords={P}: keys are "
+                             f"stored before the rotary encoding, which needs {P} rotary coordinates per frame from "
+                             f"the model; its Rope gives {got}")
+        self._rotary.at = key_rope.at
+        if self._coords[layer] is None:
+            B = k_BHTD.shape[0]
+            self._coords[layer] = torch.zeros(B, self.sink_frames + self.window, P, device=k_BHTD.device)
+        self._coords[layer][:, self._ring(index)] = key_rope.coords_BP.detach().to(torch.float32)
+        return k_BHTD
+
+    def _rope_fn(self, layer: int):
+        def rope(frames: list[int]) -> tuple[Tensor, Tensor]:
+            slots = torch.tensor([self._ring(f) for f in frames], device=self._coords[layer].device)
+            return self._rotary.get(frames, self._coords[layer].index_select(1, slots))
+        return rope
+
+    def _plan(self, B: int) -> None:
+        """Block sizes from the workspace budget (default: a quarter of a frame's float16 K/V, at least
+        `MIN_WORKSPACE`): keys decoded per block, and queries per chunk so one block's logits fit."""
+        info = self.recipe.model
+        budget = self.workspace_bytes or max(MIN_WORKSPACE, B * info.elements_per_frame // 2)  # a quarter frame, fp16
+        keys = max(store.plan(B, budget) for store in self.stores)
+        rows = max(1, budget // (B * info.num_kv_heads * keys * 4 * 2))
+        self.query_chunk = None if rows >= info.tokens_per_frame else rows
+        self.key_block = keys
+        self._planned = True
+
+    # ---- the seam -------------------------------------------------------------------------------
+    def _check(self, layer: int, x_BHTD: Tensor) -> None:
+        """The model's frame has the shape the recipe was made for (one line otherwise)."""
+        info = self.recipe.model
+        if x_BHTD.dim() != 4 or tuple(x_BHTD.shape[1:]) != (info.num_kv_heads, info.tokens_per_frame, info.head_dim):
+            raise ValueError(f"recipe '{self.recipe.scheme.name}' ({info.name}) is for frames of {info.num_kv_heads} heads x "
+                             f"{info.tokens_per_frame} tokens x head_dim {info.head_dim}; layer {layer} of the model "
+                             f"gives {list(x_BHTD.shape)}")
+
+    def _store_step(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope, decode: bool):
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"recipe '{self.recipe.scheme.name}' has {self.num_layers} layers; the model uses layer {layer}")
+        self._check(layer, k_BHTD)
+        if not self._planned:
+            self._plan(k_BHTD.shape[0])
+        index = self._num_appended[layer]
+        k_in = self._key_input(layer, k_BHTD, key_rope, index)
+        blocks = self.stores[layer].step(index, k_in, v_BHTD, self._rope_fn(layer), decode=decode)
+        return index, k_in, blocks
+
+    def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        index, k_in, blocks = self._store_step(layer, k_BHTD, v_BHTD, key_rope, decode=True)
+        k_rot = k_in if not self.coords_dims[layer] else RotatedKeys(key_rope, k_BHTD)
+        out = self._attention(layer, q_BHTD, k_rot, v_BHTD, blocks)
+        self._num_appended[layer] = index + 1
+        return out
+
+    def append(self, layer: int, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> int:
+        index, _, blocks = self._store_step(layer, k_BHTD, v_BHTD, key_rope, decode=False)
+        for _ in blocks:
+            pass
+        self._num_appended[layer] = index + 1
+        return index
+
+    def attend_uncommitted(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
+        n = self._num_appended[layer]
+        gone = set(kept_frames(n, self.window, self.sink_frames)) - set(kept_frames(n + 1, self.window, self.sink_frames))
+        blocks = self.stores[layer].history(n, self._rope_fn(layer), exclude=min(gone) if gone else None)
+        return self._attention(layer, q_BHTD, RotatedKeys(key_rope, k_BHTD), v_BHTD, blocks)
+
+    def _attention(self, layer: int, q_BHTD: Tensor, k_BHTD, v_BHTD: Tensor, blocks) -> Tensor:
+        """softmax attention of q over the history blocks and the fresh frame's own K/V (its keys
+        post-rotary: a tensor or `RotatedKeys`)."""
+        store = self.stores[layer]
+        if isinstance(k_BHTD, RotatedKeys) and (store.single_block and not self.query_chunk):
+            k_BHTD = k_BHTD.full()
+        bias = store.bias_fn(q_BHTD)  # per block: key-noise correction, or None
+        if store.single_block and not self.query_chunk:  # small: one softmax over the whole history
+            got = list(blocks)
+            if not got:
+                return attention_output(attention_logits(q_BHTD, k_BHTD), v_BHTD)
+            k_all = torch.cat([k for k, _, _ in got] + [k_BHTD], dim=2)
+            v_all = torch.cat([v for _, v, _ in got] + [v_BHTD], dim=2)
+            mask = None
+            if any(corr is not None for _, _, corr in got):
+                B, H, T, _ = q_BHTD.shape
+                mask = torch.cat([(corr.to(q_BHTD.dtype) if corr is not None else q_BHTD.new_zeros(H))[:, None]
+                                  .expand(H, k.shape[2]) for k, _, corr in got] + [q_BHTD.new_zeros(H, T)], dim=1)
+                mask = bias(torch.ones(H, device=q_BHTD.device)) * mask[None, :, None, :]
+            if self.compute_dtype is not None and self.compute_dtype != q_BHTD.dtype:  # e.g. bf16 flash attention
+                cd = self.compute_dtype
+                out = F.scaled_dot_product_attention(q_BHTD.to(cd), k_all.to(cd), v_all.to(cd),
+                                                     attn_mask=None if mask is None else mask.to(cd))
+                return out.to(q_BHTD.dtype)
+            return attention_output(attention_logits(q_BHTD, k_all, mask), v_all)
+        acc = OnlineSoftmax(q_BHTD, self.query_chunk, self.compute_dtype, key_block=self.key_block)
+        T = v_BHTD.shape[2]
+        step = self.key_block or T
+        for t0 in range(0, T, step):  # the fresh frame first: every row gets a finite logit
+            tokens = slice(t0, t0 + step)
+            acc.add(token_block(k_BHTD, tokens), v_BHTD[:, :, tokens])
+        for k_h, v_h, corr in blocks:
+            acc.add(k_h, v_h, None if corr is None else bias(corr))
+        return acc.result()
+
+    # ---- reading the history (materializing: shadows and tests) --------------------------------
+    def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        frames = self.frame_indices(layer) if frames is None else frames
+        return self.stores[layer].read(self._num_appended[layer], frames, self._rope_fn(layer))
+
+    def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
+        frames = self.history(layer) if frames is None else frames
+        return self.stores[layer].logit_bias(self._num_appended[layer], q_BHTD, frames)
+
+    # ---- bytes ----------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of what the kept frames are held as (codes, parameters, anchors, recent frames,
+        rotary coordinates): what `memory.predicted_cache_bytes` predicts."""
+        total = 0
+        for layer, store in enumerate(self.stores):
+            n = self._num_appended[layer]
+            total += store.nbytes(n)
+            if self._coords[layer] is not None:
+                c = self._coords[layer]
+                total += len(kept_frames(n, self.window, self.sink_frames)) * c.shape[0] * c.shape[2] * c.element_size()
+        return total
+
+    def capacity_nbytes(self) -> int:
+        """Bytes of every buffer allocated (slots not in use at the moment included)."""
+        return (sum(s.capacity_nbytes() for s in self.stores)
+                + sum(c.numel() * c.element_size() for c in self._coords if c is not None))
+
+    def workspace_nbytes(self) -> int:
+        """Bytes of the rotary memo (cos/sin of held frames, shared by all layers; not K/V)."""
+        return self._rotary.nbytes()
+
+    def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
+        return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
+                                     self.sink_frames, batch)

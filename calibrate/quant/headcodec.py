@@ -1,0 +1,151 @@
+"""`codec.py`'s per-frame code for several heads at once (one width, one clip), for the fast runtime.
+
+`codec.encode`/`decode` take one head: x [B, T, D] and that head's `HeadParams`. A runtime
+that stores every head of a frame, and decodes every head of many frames, each step, runs the
+same arithmetic with a head axis: x [B, Hg, T, D] (encode) or [B, Hg, J, T, D] (decode), the
+static parameters stacked over the Hg heads of a *group* (heads stored at the same width with
+the same clip ratio, so the float32 steps are those of one head, and the codes equal
+`codec.encode`'s exactly; tests/test_fastcache.py holds them equal). The steps are the module
+docstring's of codec.py: rotation, centroids, outlier channels, dense-and-sparse, quantize
+(uniform or codebook via codec's own functions, which broadcast), pack; and backwards.
+
+Stored tensors keep codec.encode's names and dtypes with the head axis after the batch:
+`codes` [B, Hg, T, ceil(D/8) b], `p_scale`/`p_zero` float16, `assign` uint8, `outliers`
+float16, `sparse_idx`/`sparse_val`, or `fp16` at 16 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from calibrate import codec
+from calibrate.codec import FP, HeadParams
+from calibrate.quant import packing
+from calibrate.recipe import TensorSpec
+
+
+class GroupCodec:
+    """The code of `heads` (all stored at `bits`) of one tensor of one layer."""
+
+    def __init__(self, spec: TensorSpec, tensors: dict, heads: list[int], bits: int, D: int, device):
+        self.spec, self.heads, self.bits, self.D = spec, heads, bits, D
+        per = [codec.head_params(spec, tensors, h, bits) for h in heads]
+        self.p = per[0]
+        stack = lambda name: None if getattr(per[0], name) is None else torch.stack([getattr(q, name) for q in per]).to(device)
+        self.rotation = stack("rotation_DD")
+        self.centroids = stack("centroids_CD")
+        self.outlier_idx = stack("outlier_channels_n")
+        self.levels = stack("levels_L")
+        self.comp = (stack("comp_down_DR"), stack("comp_up_RD"))
+        scale, zero = stack("scale_D"), stack("zero_D")
+        # parameters broadcast over [B, Hg, T, D] (encode) and [B, Hg, J, T, D] (decode)
+        self.enc = replace(self.p, scale_D=None if scale is None else scale[:, None], zero_D=None if zero is None else zero[:, None],
+                           rotation_DD=None, centroids_CD=None, outlier_channels_n=None, comp_down_DR=None, comp_up_RD=None)
+        self.dec = replace(self.enc, scale_D=None if scale is None else scale[:, None, None],
+                           zero_D=None if zero is None else zero[:, None, None])
+
+    # ---- encode: x [B, Hg, T, D] -> stored tensors [B, Hg, ...] ---------------------------------------
+    def encode(self, x: Tensor) -> dict[str, Tensor]:
+        if self.bits >= 16:
+            return {"fp16": x.to(FP)}
+        spec, p = self.spec, self.enc
+        y = x.float()
+        side: dict[str, Tensor] = {}
+        B, Hg, T, D = y.shape
+        if self.rotation is not None:
+            y = y @ self.rotation
+        if self.centroids is not None:
+            assign = torch.cdist(y, self.centroids.unsqueeze(0).expand(B, -1, -1, -1)).argmin(-1)
+            side["assign"] = assign.to(torch.uint8)
+            y = y - self._centroid(assign)
+        if self.outlier_idx is not None:
+            idx = self.outlier_idx[None, :, None, :].expand(B, Hg, T, -1)
+            side["outliers"] = y.gather(-1, idx).to(FP)
+            y = y.scatter(-1, idx, codec._center(spec, p, y).gather(-1, idx))
+        if spec.sparse_fraction > 0:
+            k = max(1, round(spec.sparse_fraction * T * D))
+            center = codec._center(spec, p, y).reshape(B, Hg, T * D)
+            flat = y.reshape(B, Hg, T * D)
+            idx = (flat - center).abs().topk(k, dim=-1).indices.sort(dim=-1).values
+            side["sparse_idx"] = idx.to(torch.int16 if T * D < 2**15 else torch.int32)
+            side["sparse_val"] = flat.gather(-1, idx).to(FP)
+            y = flat.scatter(-1, idx, center.gather(-1, idx)).reshape(B, Hg, T, D)
+        if spec.kind == "codebook":
+            codes, dyn = self._codebook_quantize(y)
+        else:
+            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p)
+        stored = {"codes": packing.pack(codes, self.bits)}
+        stored.update({f"p_{k}": v for k, v in dyn.items()})
+        stored.update(side)
+        return stored
+
+    def _centroid(self, assign: Tensor) -> Tensor:
+        """The centroid of each token: assign [B, Hg, ...] -> [B, Hg, ..., D]."""
+        heads = torch.arange(len(self.heads), device=assign.device).view(1, -1, *([1] * (assign.dim() - 2)))
+        return self.centroids[heads, assign.long()]
+
+    def _nearest(self, u: Tensor) -> Tensor:
+        """codebook.nearest_level per head: u [B, Hg, ...] in the normalized domain -> uint8 codes."""
+        B, Hg = u.shape[:2]
+        x = u.transpose(0, 1).reshape(Hg, -1).contiguous()
+        levels = self.levels
+        L = levels.shape[-1]
+        idx = torch.searchsorted(levels, x)
+        hi = idx.clamp(max=L - 1)
+        lo = (idx - 1).clamp(min=0)
+        lo = torch.searchsorted(levels, levels.gather(-1, lo).contiguous())
+        take_hi = (levels.gather(-1, hi) - x).abs() < (x - levels.gather(-1, lo)).abs()
+        codes = torch.where(take_hi, hi, lo).to(torch.uint8)
+        return codes.reshape(Hg, B, *u.shape[2:]).transpose(0, 1)
+
+    def _codebook_quantize(self, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """codec._codebook_quantize with a codebook row per head."""
+        spec, p = self.spec, self.enc
+        D = y.shape[-1]
+        if spec.axis == "channel" and spec.static:
+            return self._nearest(((y - p.zero_D) / p.scale_D).clamp(-1, 1)), {}
+        from calibrate.quant import affine
+
+        g = affine.group_view(y, spec.group_size or D)
+        scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(codec.FP_EPS).to(FP).float()
+        codes = self._nearest((g / scale).clamp(-1, 1))  # the zero of a codebook group is 0
+        return affine.ungroup(codes), {"scale": scale.to(FP)}
+
+    # ---- decode: stored tensors [B, Hg, J, ...] -> x [B, Hg, J, T, D] ---------------------------------
+    def decode(self, stored: dict[str, Tensor], T: int) -> Tensor:
+        if self.bits >= 16:
+            return stored["fp16"].float()
+        spec, p, D = self.spec, self.dec, self.D
+        codes = packing.unpack(stored["codes"], self.bits, D)
+        dyn = {k[2:]: v for k, v in stored.items() if k.startswith("p_")}
+        if spec.kind == "codebook":
+            B, Hg = codes.shape[:2]
+            flat = codes.transpose(0, 1).reshape(Hg, -1).long()
+            vals = self.levels.gather(-1, flat).reshape(Hg, B, *codes.shape[2:]).transpose(0, 1)
+            if spec.axis == "channel" and spec.static:
+                y = vals * p.scale_D + p.zero_D
+            else:
+                from calibrate.quant import affine
+
+                g = affine.group_view(vals, spec.group_size or D)
+                y = affine.ungroup(g * dyn["scale"].float())
+        else:
+            y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
+        B, Hg, J = y.shape[:3]
+        if "sparse_val" in stored:
+            y = y.reshape(B, Hg, J, T * D).scatter(-1, stored["sparse_idx"].long(), stored["sparse_val"].float())
+            y = y.reshape(B, Hg, J, T, D)
+        if "outliers" in stored:
+            idx = self.outlier_idx[None, :, None, None, :].expand(B, Hg, J, T, -1)
+            y = y.scatter(-1, idx, stored["outliers"].float())
+        if "assign" in stored:
+            y = y + self._centroid(stored["assign"])
+        down, up = self.comp
+        if down is not None:
+            y = y + (y @ down[:, None]) @ up[:, None]
+        if self.rotation is not None:
+            y = y @ self.rotation.transpose(-1, -2)[:, None]
+        return y

@@ -1,0 +1,348 @@
+"""The fast runtime (calibrate/fastcache.py) against the reference runtime (calibrate/runtime.py).
+
+Held equal: every stored integer code, dynamic parameter and side tensor (per-frame kinds) and
+every integer state of a chain (predictive), bitwise; decoded K/V within 1e-6 + 1e-6 relative (the
+compensator's matmul is batched differently: 1 ulp); attention outputs within 1e-5 + 1e-5 relative
+(one softmax or the blockwise merge, whose sums run in another order); bytes measured from the buffers equal
+`memory.predicted_cache_bytes`. Rollouts are long enough to wrap every ring several times, for
+several windows, sink counts, recent windows, anchors and mixed per-head / per-component widths.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from calibrate.cache import Rope, kept_frames
+from calibrate.fastcache import FastKVCache, FastPathError, build_cache, fast_path_problem
+from calibrate.quant.bitrows import RowLayout
+from calibrate.quant.blockattn import OnlineSoftmax
+from calibrate.quant.chainscan import segmented_states
+from calibrate.quant.fields import FieldLayout
+from calibrate.recipe import LayerSpec, Recipe, Scheme, TensorSpec, TokenPolicy
+from calibrate.runtime import QuantizedKVCache
+from calibrate.schemes import build_baseline
+
+from test_runtime import CACHE_RECIPES, POLICY, SPECS
+from test_runtime_predictive import predictive_recipe, sequence
+from toys import B, D, H, INFO, T, kv_frames, toy_recipe
+
+ATOL_OUT = 1e-5
+RTOL_OUT = 1e-5
+ATOL_KV = 1e-6  # and rtol 1e-6: one ulp of the compensator
+
+
+# ---- the pure pieces -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("widths,values,packed", [
+    ([3, 0, 5, 1, 8, 2], [5, 0, 17, 1, 200, 3], "8d9107"),
+    ([1] * 9, [1, 0, 1, 1, 0, 0, 0, 1, 1], "8d01"),
+    ([4, 4, 2], [15, 1, 3], "1f03"),
+    ([16, 5], [65535, 31], "ffff1f"),
+    ([6, 6, 6, 6], [1, 2, 3, 4], "813010"),
+])
+def test_rows_reproduce_the_field_golden_vectors(widths, values, packed):
+    layout = RowLayout(widths)
+    got = layout.pack(torch.tensor([values]))
+    assert bytes(got[0].tolist()).hex() == packed
+    assert layout.unpack(got)[0].tolist() == values
+
+
+def test_rows_equal_field_layouts_side_by_side():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 17, (n,), generator=g).tolist() for n in (5, 1, 12, 7)]
+    values = [(torch.rand(3, 4, len(r), generator=g) * (1 << torch.tensor(r))).long() for r in rows]
+    packed = torch.cat([FieldLayout(r).pack(v) for r, v in zip(rows, values)], dim=-1)
+    layout = RowLayout.concat(rows)
+    assert torch.equal(layout.pack(torch.cat(values, -1)), packed)
+    assert torch.equal(layout.unpack(packed).long(), torch.cat(values, -1))
+
+
+def test_segmented_scan_equals_the_sequential_chain():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(-500, 500, (2, 9, 5, 3, 4), generator=g, dtype=torch.int32)
+    step = torch.randint(-9, 9, (2, 9, 5, 3, 4), generator=g, dtype=torch.int32)
+    reset = torch.rand(2, 9, 5, 3, 1, generator=g) < 0.3
+    reset[:, 0] = True
+    want = torch.empty_like(base)
+    for j in range(9):
+        want[:, j] = torch.where(reset[:, j], base[:, j], (want[:, j - 1] if j else 0) + step[:, j])
+    assert torch.equal(segmented_states(torch.where(reset, base, step), reset), want)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_online_softmax_over_blocks_equals_one_softmax(chunk):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 7, 16, generator=g) * 3 for _ in range(3))
+    bias = -torch.rand(2, 3, 7, 1, generator=g)
+    k, v = torch.randn(2, 3, 20, 16, generator=g) * 3, torch.randn(2, 3, 20, 16, generator=g)
+    logits = q @ k.transpose(-1, -2) / 4.0
+    logits[..., 5:12] += bias
+    want = logits.softmax(-1) @ v
+    acc = OnlineSoftmax(q, chunk)
+    acc.add(k[:, :, :5], v[:, :, :5])
+    acc.add(k[:, :, 5:12], v[:, :, 5:12], bias)
+    acc.add(k[:, :, 12:], v[:, :, 12:])
+    torch.testing.assert_close(acc.result(), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+
+
+# ---- per-frame kinds -----------------------------------------------------------------------------------
+def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> dict:
+    """What the fast cache holds for head h of frame f: the reference's per-head record layout."""
+    store = cache.stores[layer]
+    for name, pool in store.pools.items():
+        if f in pool.frame_slot:
+            slot = pool.frame_slot[f]
+            for g, bufs in zip(store.groups[name][kind], pool.buffers[kind]):
+                if h in g.heads:
+                    i = g.heads.index(h)
+                    return {key: t[:, i, slot] for key, t in bufs.items()}
+    raise KeyError(f)
+
+
+FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()}}
+
+
+@pytest.mark.parametrize("name", FRAME_RECIPES)
+@pytest.mark.parametrize("window,sink", [(3, 1), (4, 0), (2, 2)])
+def test_per_frame_kinds_equal_the_reference(name, window, sink):
+    recipe = FRAME_RECIPES[name]()
+    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    capacity = None
+    for n, (q, k, v, rope) in enumerate(kv_frames(14), start=1):
+        for layer in range(INFO.num_layers):
+            want = ref.attend(layer, q, k, v, rope)
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            assert fast.frame_indices(layer) == ref.frame_indices(layer) == kept_frames(n, window, sink)
+            for f in ref.frame_indices(layer):
+                for kind in "kv":
+                    for h in range(H):
+                        mine, theirs = fast_record(fast, layer, kind, f, h), ref._frames[layer][f][kind][h]
+                        assert mine.keys() == theirs.keys()
+                        for key in theirs:  # codes, dynamic parameters, side tensors: bitwise
+                            assert torch.equal(mine[key], theirs[key]), (n, layer, f, kind, h, key)
+            for a, b in zip(fast.read(layer), ref.read(layer)):
+                torch.testing.assert_close(a, b, atol=ATOL_KV, rtol=1e-6)
+        assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(n, batch=B)
+        if n == 8:
+            capacity = fast.capacity_nbytes()
+    assert fast.capacity_nbytes() == capacity  # nothing allocated once warm
+
+
+def test_logit_correction_and_shadow_reads():
+    recipe = toy_recipe(TensorSpec(bits=2, head_bits=[2, 3], group_size=8), TensorSpec(bits=2), POLICY)
+    recipe.tensors["layers.0.k.logit_bias"] = torch.rand(H, D)
+    recipe.tensors["layers.1.k.logit_bias"] = torch.rand(H, D)
+    ref = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    fast = FastKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    for q, k, v, rope in kv_frames(10):
+        for layer in range(INFO.num_layers):
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
+                                       atol=ATOL_OUT, rtol=RTOL_OUT)
+            kq, vq = fast.gather(layer, rope.apply(k), v)
+            torch.testing.assert_close(fast.logits(layer, q, kq), ref.logits(layer, q, ref.gather(layer, rope.apply(k), v)[0]),
+                                       atol=ATOL_OUT, rtol=RTOL_OUT)
+
+
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2"])
+def test_baselines_roll_out_like_the_reference(name, tiny_world):
+    from calibrate.adapters import TinyWorldAdapter
+    from calibrate.world.trajectories import make_trajectories
+
+    world = TinyWorldAdapter(tiny_world)
+    recipe = build_baseline(name, world.info)
+    trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 24, 0)
+    cpu = torch.device("cpu")
+    ref = world.rollout(trajs, QuantizedKVCache.from_recipe(recipe, 5, 1), cpu)
+    fast_cache = FastKVCache.from_recipe(recipe, 5, 1)
+    torch.testing.assert_close(world.rollout(trajs, fast_cache, cpu), ref, atol=1e-4, rtol=0)
+    assert fast_cache.nbytes() == fast_cache.predicted_nbytes(24, batch=2)
+
+
+# ---- predictive ----------------------------------------------------------------------------------------
+def chain_states(cache: FastKVCache, layer: int) -> dict:
+    """{(kind, frame): states [B, H, T, D]} of the chain frames the fast cache holds."""
+    store = cache.stores[layer]
+    chain = store.chain(cache._num_appended[layer])
+    if not chain:
+        return {}
+    s = store.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
+    return {(kind, f): s[:, j, i * store.H:(i + 1) * store.H].long() for j, f in enumerate(chain)
+            for i, kind in enumerate("kv")}
+
+
+@pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
+@pytest.mark.parametrize("temporal", [True, False])
+@pytest.mark.parametrize("scan", ["matmul", "running_sum"])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, monkeypatch):
+    if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
+        monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
+    recipe = predictive_recipe(recent=recent)
+    for pair in recipe.scheme.layers:
+        pair.k.temporal = pair.v.temporal = temporal
+    ks, vs, ropes = sequence(30)
+    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    g = torch.Generator().manual_seed(3)
+    for f in range(30):
+        q = torch.randn(2, 2, 4, 16, generator=g)
+        for layer in range(2):
+            want = ref.attend(layer, q, ks[f], vs[f], ropes[f])
+            torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            mine = chain_states(fast, layer)
+            for kind in "kv":
+                theirs = ref._chain_states(layer, kind)
+                assert {f for k, f in mine if k == kind} == set(theirs)
+                for frame, states in theirs.items():  # integer states: bitwise
+                    assert torch.equal(mine[(kind, frame)], torch.stack(states, dim=1)), (f, layer, kind, frame)
+            for a, b in zip(fast.read(layer), ref.read(layer)):
+                torch.testing.assert_close(a, b, atol=ATOL_KV, rtol=1e-6)
+        assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(f + 1, batch=2)
+
+
+T16 = 16
+
+
+def rope16(coords_BP):
+    freqs = torch.linspace(0.1, 2.0, 8)
+    angles = coords_BP[:, None, 0:1] * freqs + coords_BP[:, None, 1:2] * torch.arange(T16)[None, :, None] * 0.1
+    return Rope(angles, coords_BP=coords_BP, at=rope16)
+
+
+def test_token_blocks_and_query_chunks_equal_one_block():
+    """Blockwise decoding (tokens in blocks of 8, queries in chunks of 5) gives one block's result."""
+    small = predictive_recipe()
+    info = small.model.__class__("toy16", 2, 2, 16, T16, "f" * 16)
+    tensors = small.tensors
+    recipe = Recipe(info, small.scheme, tensors)
+    g = torch.Generator().manual_seed(4)
+    one = FastKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    blocks = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, token_block=8, query_chunk=5)
+    planned = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, workspace_bytes=40_000)
+    ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    k = torch.randn(1, 2, T16, 16, generator=g)
+    v = torch.randn(1, 2, T16, 16, generator=g)
+    for f in range(14):
+        k, v = k + 0.05 * torch.randn(k.shape, generator=g), v + 0.05 * torch.randn(v.shape, generator=g)
+        rope = rope16(torch.tensor([[0.2 * f, float(f % 3)]]))
+        q = torch.randn(1, 2, T16, 16, generator=g)
+        for layer in range(2):
+            want = ref.attend(layer, q, k, v, rope)
+            torch.testing.assert_close(one.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(blocks.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(planned.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(blocks.attend_uncommitted(layer, q, k, v, rope),
+                                       ref.attend_uncommitted(layer, q, k, v, rope), atol=ATOL_OUT, rtol=RTOL_OUT)
+        assert blocks.nbytes() == planned.nbytes() == ref.nbytes()
+    assert planned.stores[0].token_block == 8  # the budget made token blocks
+
+
+def test_uncommitted_passes_store_nothing():
+    recipe = toy_recipe(*CACHE_RECIPES["kivi_like"]().scheme.layers[0].__dict__.values(),
+                        policy=TokenPolicy(sink_frames=0, recent_frames=2))
+    ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    for q, k, v, rope in kv_frames(8):
+        for layer in range(INFO.num_layers):
+            torch.testing.assert_close(fast.attend_uncommitted(layer, q, k, v, rope),
+                                       ref.attend_uncommitted(layer, q, k, v, rope), atol=ATOL_OUT, rtol=RTOL_OUT)
+            fast.attend(layer, q, k, v, rope)
+            ref.attend(layer, q, k, v, rope)
+
+
+# ---- choosing the runtime, bad input --------------------------------------------------------------------
+def mixed_recipe() -> Recipe:
+    pred = predictive_recipe()
+    layers = [LayerSpec(k=p.k, v=TensorSpec(bits=2)) for p in pred.scheme.layers]
+    tensors = {k: t for k, t in pred.tensors.items() if ".v." not in k}
+    return Recipe(pred.model, Scheme("mixed", layers, pred.scheme.policy), tensors)
+
+
+def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
+    recipe = mixed_recipe()
+    assert "mixes a predictive and a per-frame kind" in fast_path_problem(recipe)
+    with caplog.at_level(logging.INFO, logger="calibrate.fastcache"):
+        cache = build_cache(recipe, 4, 1, "cpu", "auto")
+    assert isinstance(cache, QuantizedKVCache)
+    assert len(caplog.records) == 1 and "'mixed'" in caplog.records[0].getMessage() and "reference" in caplog.records[0].getMessage()
+    with pytest.raises(FastPathError, match="eval.runtime=fast.*mixes"):
+        build_cache(recipe, 4, 1, "cpu", "fast")
+    assert isinstance(build_cache(predictive_recipe(), 4, 1, "cpu", "auto"), FastKVCache)
+    assert isinstance(build_cache(predictive_recipe(), 4, 1, "cpu", "reference"), QuantizedKVCache)
+    with pytest.raises(ValueError, match="eval.runtime"):
+        build_cache(predictive_recipe(), 4, 1, "cpu", "turbo")
+
+
+def test_frames_of_another_shape_are_refused():
+    cache = FastKVCache.from_recipe(toy_recipe(TensorSpec(bits=2)), window=4, sink_frames=1)
+    q, k, v, rope = kv_frames(1)[0]
+    with pytest.raises(ValueError, match="tokens"):
+        cache.attend(0, q[:, :, :2], k[:, :, :2], v[:, :, :2], Rope(rope.angles_BTA[:, :2]))
+    with pytest.raises(ValueError, match="layers"):
+        cache.attend(5, q, k, v, rope)
+
+
+# ---- the CUDA path, checked on the CPU by its reference -------------------------------------------------
+@pytest.mark.parametrize("blocks", [False, True])
+def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
+    """What `device=cuda` runs (benchmarks/gpu.py): the chain decode through torch.compile (the
+    eager backend here: the same capture, no compiler) and attention matmuls in bfloat16 (one
+    SDPA, or the blockwise merge with float32 sums), against the reference runtime in float32."""
+    recipe = predictive_recipe(recent=2)
+    ks, vs, ropes = sequence(14)
+    ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    extra = dict(token_block=8, query_chunk=3) if blocks else {}
+    fast = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compute_dtype=torch.bfloat16, compile="eager", **extra)
+    exact = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compile="eager", **extra)
+    g = torch.Generator().manual_seed(5)
+    for f in range(14):
+        q = torch.randn(2, 2, 4, 16, generator=g)
+        for layer in range(2):
+            want = ref.attend(layer, q, ks[f], vs[f], ropes[f])
+            torch.testing.assert_close(exact.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=0.05, rtol=0.02)  # bf16
+
+
+@pytest.mark.parametrize("name", ["naive2", "kivi2", "quarot2"])
+def test_per_frame_token_blocks_equal_the_reference(name):
+    """A small workspace: frames decoded and coded 8 tokens at a time (per-token codes; per-channel
+    ranges still see the whole frame), queries in chunks, the fresh frame's keys rotated per block."""
+    info = INFO.__class__("toy16", 2, 2, 16, T16, "f" * 16)
+    recipe = build_baseline(name, info)
+    ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1, workspace_bytes=12_000)
+    g = torch.Generator().manual_seed(6)
+    for f in range(9):
+        q, k, v = (torch.randn(1, 2, T16, 16, generator=g) for _ in range(3))
+        rope = Rope(torch.randn(1, T16, 8, generator=g))
+        for layer in range(2):
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
+                                       atol=ATOL_OUT, rtol=RTOL_OUT)
+        assert fast.nbytes() == ref.nbytes()
+    assert fast.stores[0].token_block == 8 and not fast.stores[0].single_block
+
+
+def test_eval_runtime_is_checked_by_the_config():
+    from calibrate.config import to_config
+
+    assert to_config({"eval": {"runtime": "reference"}}).eval.runtime == "reference"
+    with pytest.raises(ValueError, match="eval.runtime must be one of auto, fast, reference"):
+        to_config({"eval": {"runtime": "turbo"}})
+
+
+def test_the_shipped_recipe_rolls_out_bitwise_like_the_reference():
+    """Closed loop: the frames fed back are the runtime's own, so any difference would grow; the
+    fast runtime decodes with the reference's float32 steps, and the rollouts are identical."""
+    from calibrate.adapters import TinyWorldAdapter
+    from calibrate.pipeline import OURS, SHIPPED_RECIPES
+    from calibrate.recipe import load_recipe
+    from calibrate.world.trajectories import make_trajectories
+    from calibrate.world.weights import load_weights
+
+    world = TinyWorldAdapter(load_weights(None))
+    recipe = load_recipe(SHIPPED_RECIPES / OURS, world.info)
+    trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 30, 0)
+    cpu = torch.device("cpu")
+    fast = FastKVCache.from_recipe(recipe, 16, 1)
+    assert torch.equal(world.rollout(trajs, fast, cpu), world.rollout(trajs, QuantizedKVCache.from_recipe(recipe, 16, 1), cpu))
+    assert fast.nbytes() == fast.predicted_nbytes(30, batch=2)
