@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.adapters.wan_diffusers import WanSettings
-from calibrate.types import FAMILIES
+from calibrate.types import ALL_FAMILIES, FAMILIES
 from calibrate.world.train_config import TrainConfig
 
 # the top-level conf/ of a source checkout, else the copy a regular install places in the package
@@ -84,9 +84,9 @@ class TrajectoriesConfig:
     def check(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"config: trajectories.split must be auto, train, calibration or evaluation, got '{self.split}'")
-        unknown = [f for f in self.families if f not in FAMILIES]
+        unknown = [f for f in self.families if f not in ALL_FAMILIES]
         if unknown:
-            raise ValueError(f"config: unknown trajectory family {unknown[0]!r}; families are {', '.join(FAMILIES)}")
+            raise ValueError(f"config: unknown trajectory family {unknown[0]!r}; families are {', '.join(ALL_FAMILIES)}")
         if not self.families:
             raise ValueError("config: trajectories.families is empty")
         _positive("trajectories.num_trajectories", self.num_trajectories)
