@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from calibrate import predictive_roles
+from calibrate.plan import MemoryPlan
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
 from calibrate.types import ModelInfo
 
@@ -123,6 +124,7 @@ class TokenPolicy:
     recent_bits: int = 16
     keyframe_interval: int = 0
     keyframe_bits: int = 8
+    plan: MemoryPlan | None = None  # format 1.1: device/host tiers and recall (plan.py); written only when set
 
 
 @dataclass
@@ -140,6 +142,8 @@ class Scheme:
 
     def to_json(self) -> str:
         d = asdict(self)
+        if d["policy"]["plan"] is None:  # format 1.1, left out when absent
+            del d["policy"]["plan"]
         for layer in d["layers"]:
             for spec in layer.values():  # fields of format 1.1 at their default are left out
                 for name, default in V1_1_DEFAULTS.items():
@@ -153,6 +157,8 @@ class Scheme:
             layers = [LayerSpec(k=_spec(l["k"], f"{where}.layers[{i}].k"), v=_spec(l["v"], f"{where}.layers[{i}].v"))
                       for i, l in enumerate(d["layers"])]
             policy = _dataclass_from(TokenPolicy, d.get("policy", {}), f"{where}.policy")
+            if policy.plan is not None:
+                policy.plan = _dataclass_from(MemoryPlan, policy.plan, f"{where}.policy.plan")
             return Scheme(name=str(d["name"]), layers=layers, policy=policy, notes=str(d.get("notes", "")))
         except KeyError as e:
             raise RecipeError(f"{where}: missing field {e}") from None
@@ -431,6 +437,11 @@ def validate(recipe: Recipe, where: str) -> None:
     for name in ("sink_bits", "recent_bits", "keyframe_bits"):
         if getattr(s.policy, name) not in ALLOWED_BITS:
             raise RecipeError(f"{where}: scheme.policy.{name} must be one of {ALLOWED_BITS}")
+    if s.policy.plan is not None:
+        try:
+            s.policy.plan.check("scheme.policy.plan")
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
 
 
 def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: int, where: str) -> None:
