@@ -91,3 +91,17 @@ def test_cli_calibrate_with_a_device_budget_writes_the_plan(tiny_weights, tmp_pa
     report = json.loads((tmp_path / "report.json").read_text())
     mem = next(iter(report["schemes"].values()))["memory"]
     assert mem["bytes"] == mem["predicted_bytes"]
+
+
+def test_predictive_codes_are_searched_only_at_their_fitted_window():
+    """A predictive recipe runs only under the window it was fitted for (runtime.check_fitted_window):
+    the search refuses its other windows, with the reason, and varies only its recall slots."""
+    from test_tiers import predictive_recipe
+
+    recipe = predictive_recipe()
+    recipe.metadata["memory"] = json.dumps({"window": 8, "sink_frames": 1})
+    rows = candidates({"ours": recipe}, 10**9, windows=[4, 8], recall_slots=[0, 2], sink_frames=1, host_frames=16,
+                      yaw_radius=1.0)
+    status = {r["name"]: (r["status"], r.get("reason", "")) for r in rows}
+    assert status["ours/w8+1s"][0] == status["ours/w8+1s+2r"][0] == "admitted"
+    assert status["ours/w4+1s"] == ("refused", "its predictive codes were fitted for window 8")

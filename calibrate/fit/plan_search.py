@@ -9,7 +9,9 @@ a 2.5-bit cache cost, which can hold a longer window or leave room for recall sl
 1. **Candidates**: every scheme x window x recall-slot count of the `memory` config (sinks from
    `model.cache.sink_frames`, a host tier of `memory.host_frames` when there are slots). One
    whose device tier at steady state (`tiers.steady_device_bytes`, every byte counted) exceeds
-   the budget is refused here and recorded with the bytes it needs.
+   the budget is refused here and recorded with the bytes it needs; so is a predictive recipe
+   at a window other than the one its codes were fitted for (`runtime.check_fitted_window`:
+   for such a recipe only the recall slots vary; another window needs its own fit).
 2. **Score**: each admitted plan rolls out (the real runtime, free rollouts) on calibration
    trajectories of the `long_revisit` family: the camera wanders away for 64-512 frames and
    comes back. Two numbers per plan, each against the reference plan (float16, window
@@ -40,7 +42,7 @@ from calibrate.memory import fp16_cache_bytes, memory_section, steady_state_fram
 from calibrate.plan import MemoryPlan
 from calibrate.recipe import Recipe
 from calibrate.replay import batches, rollout_batch
-from calibrate.runtime import QuantizedKVCache
+from calibrate.runtime import QuantizedKVCache, check_fitted_window
 from calibrate.tiers import host_frame_nbytes, slot_nbytes, steady_device_bytes
 from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import LONG_AWAY_FRAMES, revisit_pairs
@@ -88,6 +90,13 @@ def candidates(recipes: dict[str, Recipe], budget: int, windows: list[int], reca
                 row = {"name": f"{scheme}/{plan.label()}", "scheme": scheme, "plan": plan, "device_bytes": need,
                        "host_bytes_per_frame": host_frame_nbytes(recipe.model, recipe.scheme, plan) if slots else 0,
                        "slot_bytes": slot_nbytes(recipe.model, recipe.scheme)}
+                try:  # codes across frames run only under the window they were fitted for
+                    check_fitted_window(recipe, window, sink_frames)
+                except ValueError:
+                    fitted = recipe.section("memory").get("window")
+                    row.update(status="refused", reason=f"its predictive codes were fitted for window {fitted}")
+                    out.append(row)
+                    continue
                 if need > budget:
                     row.update(status="refused", reason=f"device tier needs {need} B > budget {budget} B")
                 else:
