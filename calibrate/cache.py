@@ -156,6 +156,12 @@ class KVCache:
                               k_BHND, v_BHND, logits_BHTN, out_BHTD))
         return out_BHTD
 
+    def expect(self, coords_BP: Tensor) -> None:
+        """The rotary coordinates of the frame about to be generated (TinyWorld: its camera pose),
+        told once per step before its layers attend. The plain cache ignores them; a tiered
+        cache recalls the held frames nearest them (tiers.py). Without the call, such a cache
+        recalls by the newest key's coordinates: the frame being continued, one step behind."""
+
     def observe(self, seen: Attended) -> None:
         """Called by `attend` with everything it read and computed (recording, shadowing); the
         full-precision cache observes nothing."""

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.adapters.wan_diffusers import WanSettings
 from calibrate.fastcache import RUNTIMES
-from calibrate.types import FAMILIES
+from calibrate.types import ALL_FAMILIES, FAMILIES
 from calibrate.world.train_config import TrainConfig
 
 # the top-level conf/ of a source checkout, else the copy a regular install places in the package
@@ -85,9 +85,9 @@ class TrajectoriesConfig:
     def check(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"config: trajectories.split must be auto, train, calibration or evaluation, got '{self.split}'")
-        unknown = [f for f in self.families if f not in FAMILIES]
+        unknown = [f for f in self.families if f not in ALL_FAMILIES]
         if unknown:
-            raise ValueError(f"config: unknown trajectory family {unknown[0]!r}; families are {', '.join(FAMILIES)}")
+            raise ValueError(f"config: unknown trajectory family {unknown[0]!r}; families are {', '.join(ALL_FAMILIES)}")
         if not self.families:
             raise ValueError("config: trajectories.families is empty")
         _positive("trajectories.num_trajectories", self.num_trajectories)
@@ -195,6 +195,35 @@ class CheckConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """The memory plan search (fit/plan_search.py): `device_budget` set = choose a plan under it."""
+
+    device_budget: str | None = None  # bytes per trajectory (835584, 816KiB, 0.8MB) or fp16 (= the fp16 cache of model.cache.window + sinks); null = no plan
+    schemes: list[str] = field(default_factory=lambda: ["fitted", "fp16"])  # fitted = this run's recipe; or presets
+    windows: list[int] = field(default_factory=lambda: [4, 8, 16, 64])  # device window candidates (frames)
+    recall_slots: list[int] = field(default_factory=lambda: [0, 8, 32])  # recall-slot candidates (0 = no recall)
+    host_frames: int = 1024  # host-tier capacity (frames) of plans with recall
+    yaw_radius: float = 1.0  # room units one radian of yaw counts as in the recall distance
+    search_trajectories: int = 4  # calibration long_revisit trajectories each plan rolls out on
+    search_frames: int = 384  # their length (returns come after 64-512 frames away)
+
+    def check(self) -> None:
+        if not self.schemes or not self.windows or not self.recall_slots:
+            raise ValueError("config: memory.schemes, memory.windows and memory.recall_slots must be non-empty")
+        if any(w < 1 for w in self.windows):
+            raise ValueError(f"config: memory.windows must be >= 1 frame each, got {self.windows}")
+        if any(r < 0 for r in self.recall_slots):
+            raise ValueError(f"config: memory.recall_slots must be >= 0 each, got {self.recall_slots}")
+        _positive("memory.host_frames", self.host_frames)
+        _positive("memory.search_trajectories", self.search_trajectories)
+        _positive("memory.search_frames", self.search_frames)
+        if not (math.isfinite(self.yaw_radius) and self.yaw_radius >= 0):
+            raise ValueError(f"config: memory.yaw_radius must be a finite number >= 0, got {self.yaw_radius}")
+        if any(r > self.host_frames for r in self.recall_slots):
+            raise ValueError(f"config: memory.recall_slots {self.recall_slots} exceed memory.host_frames={self.host_frames}")
+
+
+@dataclass
 class Config:
     task: str = "calibrate"  # one of TASKS
     device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
@@ -208,6 +237,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -240,6 +270,7 @@ def validate(cfg: Config) -> None:
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
+    cfg.memory.check()
     if cfg.task == "train_world" and cfg.model.name != "tinyworld":
         raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:

@@ -439,6 +439,32 @@ def check_preset_budget(cfg: Config, info) -> None:
                          f"{sink} sink), above the requested budget fit.budget_bits={budget}; presets within it: {fits}")
 
 
+def choose_plan(cfg: Config, model: World, device: torch.device, recipe: Recipe) -> Recipe:
+    """`memory.device_budget`: the best memory plan under the budget (fit/plan_search.py), searched over
+    this run's recipe (`fitted`) and the `memory.schemes` presets; the search goes into the fit record."""
+    from calibrate.fit import plan_search
+
+    m, window, sink = cfg.memory, cfg.model.cache.window, cfg.model.cache.sink_frames
+    info = as_world(model).info
+    budget = plan_search.parse_budget(m.device_budget, info, window, sink)
+    recipes = {"fitted": recipe, **resolve_schemes(cfg, [s for s in m.schemes if s != "fitted"], model, device)}
+    t = cfg.trajectories
+    trajs = make_trajectories("long_revisit", "calibration", m.search_trajectories, m.search_frames,
+                              t.seed + t.num_trajectories + cfg.fit.closed_loop_trajectories)
+    name, chosen, record = plan_search.search(
+        as_world(model), recipes, build_baseline("fp16", info), budget, trajs, device, windows=list(m.windows),
+        recall_slots=list(m.recall_slots), sink_frames=sink, host_frames=m.host_frames, yaw_radius=m.yaw_radius,
+        reference_window=window, batch_size=t.batch_size)
+    fit_record = json.loads(recipe.metadata.get("fit", "{}"))
+    fit_record["plan_search"] = record
+    if "calibration" in recipe.metadata:  # the run's calibration record, whichever code the plan chose
+        chosen.metadata["calibration"] = recipe.metadata["calibration"]
+    chosen.metadata.update(fit=json.dumps(fit_record, sort_keys=True),
+                           memory=json.dumps(plan_search.plan_memory_section(chosen), sort_keys=True))
+    print(f"memory plan: {name} ({record['candidates'][0]['plan']['device_budget_bytes']} bytes budget per trajectory)")
+    return chosen
+
+
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     """Fit (or build a preset), evaluate on held-out and check trajectories, write the recipe, then
     the report: a report in the run dir always goes with the recipe next to it."""
@@ -449,6 +475,8 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
         recipe = resolve_schemes(cfg, [cfg.quant.preset], model, device)[cfg.quant.preset]
     else:
         recipe, _ = fit(cfg, model, device)
+    if cfg.memory.device_budget is not None:
+        recipe = choose_plan(cfg, model, device, recipe)
     recipe.path = None
     eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
     ev = evaluate_schemes(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device)

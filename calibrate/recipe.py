@@ -67,9 +67,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from calibrate import predictive_roles
+from calibrate.plan import MemoryPlan
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
-from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, POLICY_FIELDS, ROTATIONS,  # noqa: F401
-                                     SPEC_FIELDS, FieldError, check_version, parse_object, parse_tensor_name)
+from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, PLAN_FIELDS, POLICY_FIELDS,  # noqa: F401
+                                     ROTATIONS, SPEC_FIELDS, FieldError, check_version, parse_object, parse_tensor_name)
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
@@ -130,6 +131,7 @@ class TokenPolicy:
     recent_bits: int = 16
     keyframe_interval: int = 0
     keyframe_bits: int = 8
+    plan: MemoryPlan | None = None  # format 1.1: device/host tiers and recall (plan.py); written only when set
 
 
 @dataclass
@@ -147,6 +149,8 @@ class Scheme:
 
     def to_json(self) -> str:
         d = asdict(self)
+        if d["policy"]["plan"] is None:  # format 1.1, left out when absent
+            del d["policy"]["plan"]
         for layer in d["layers"]:
             for spec in layer.values():  # fields of format 1.1 at their default are left out
                 for name, default in V1_1_DEFAULTS.items():
@@ -172,7 +176,13 @@ class Scheme:
             if not isinstance(entry, dict) or "k" not in entry or "v" not in entry:
                 raise RecipeError(f"{where}.layers[{i}]: must be a JSON object with fields 'k' and 'v'")
             layers.append(LayerSpec(k=_spec(entry["k"], f"{where}.layers[{i}].k"), v=_spec(entry["v"], f"{where}.layers[{i}].v")))
-        policy = TokenPolicy(**_parse(d.get("policy", {}), POLICY_FIELDS, f"{where}.policy"))
+        policy_d = d.get("policy", {})
+        plan = policy_d.get("plan") if isinstance(policy_d, dict) else None
+        if isinstance(policy_d, dict) and "plan" in policy_d:  # format 1.1, left out when absent
+            policy_d = {k: v for k, v in policy_d.items() if k != "plan"}
+        policy = TokenPolicy(**_parse(policy_d, POLICY_FIELDS, f"{where}.policy"))
+        if plan is not None:
+            policy.plan = MemoryPlan(**_parse(plan, PLAN_FIELDS, f"{where}.policy.plan", ("device_budget_bytes",)))
         return Scheme(name=d["name"], layers=layers, policy=policy, notes=d.get("notes", ""))
 
 
@@ -370,7 +380,11 @@ def validate(recipe: Recipe, where: str) -> None:
     m, s = recipe.model, recipe.scheme
     try:  # the in-memory values must have the JSON types a reader will hold them to
         parse_object(asdict(m), MODEL_FIELDS, "model", required=tuple(MODEL_FIELDS))
-        parse_object(asdict(s.policy), POLICY_FIELDS, "scheme.policy")
+        policy = asdict(s.policy)
+        plan = policy.pop("plan")
+        parse_object(policy, POLICY_FIELDS, "scheme.policy")
+        if plan is not None:
+            parse_object(plan, PLAN_FIELDS, "scheme.policy.plan", ("device_budget_bytes",))
         for name in ("name", "notes"):
             if type(getattr(s, name)) is not str:
                 raise FieldError(f"scheme.{name}: must be a JSON string, got {getattr(s, name)!r}")
@@ -447,6 +461,11 @@ def validate(recipe: Recipe, where: str) -> None:
             if oc is not None and (oc.dtype != torch.int64 or (oc < 0).any() or (oc >= D).any()):
                 raise RecipeError(f"{where}: tensor 'layers.{i}.{kind}.outlier_channels' must be int64 in [0, {D})")
             _validate_v11(recipe, i, kind, spec, where)
+    if s.policy.plan is not None:
+        try:
+            s.policy.plan.check("scheme.policy.plan")
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
 
 
 def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: int, where: str) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from calibrate.plan import RECALL_KEYS, REUSE_RULES
+
 ALLOWED_BITS = (2, 3, 4, 8, 16)
 CODE_KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")
 ROTATIONS = ("none", "hadamard", "learned", "random")
@@ -139,6 +141,18 @@ SPEC_FIELDS = {
     "prq_span_frames": Field("int", _at_least(1)),
     "prq_kmeans_iters": Field("int", _at_least(1)),
     "jensen": Field("bool"),
+}
+
+# scheme.policy.plan (format 1.1, calibrate/plan.py); cross-field rules: MemoryPlan.check
+PLAN_FIELDS = {
+    "device_budget_bytes": Field("int", _at_least(1)),
+    "window": Field("int", _at_least(1)),
+    "sink_frames": Field("int", _at_least(0)),
+    "recall_slots": Field("int", _at_least(0)),
+    "host_frames": Field("int", _at_least(0)),
+    "recall": Field("str", _one_of(RECALL_KEYS)),
+    "yaw_radius": Field("number", _at_least(0)),
+    "reuse": Field("str", _one_of(REUSE_RULES)),
 }
 
 TYPE_PROBLEMS = {

@@ -45,6 +45,12 @@ Jensen-bias correction (`jensen` on a layer's K spec, quant/jensen.py): the logi
 history key are lowered by sum_d (q R)_d^2 Delta_d^2 / (24 D), Delta the key's own grid steps
 read from its stored frame (0 for float16 frames and the fresh frame).
 
+Memory plan (`scheme.policy.plan`, plan.py): the plan's window and sinks replace the `window` and
+`sink_frames` arguments, its device budget is checked when the cache is built, and with a host
+tier the cache runs in tiers (tiers.py): frames leaving the window move to the host tier as
+self-contained codes, and each step recalls the host frames nearest the pose being generated
+into slots that attention reads with the window.
+
 `nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` asks the memory
 model (memory.py) for the same from the recipe alone, and the two agree at steady state. This
 module imports only the seam, the recipe format, the codec and the memory model: a runtime can
@@ -65,6 +71,7 @@ from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
+from calibrate.tiers import Tiers, check_plan, predicted_device_bytes
 
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
@@ -84,6 +91,10 @@ def check_fitted_window(recipe: Recipe, window: int, sink_frames: int) -> None:
 
 class QuantizedKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
+        plan = recipe.scheme.policy.plan
+        if plan is not None:  # the recipe's memory plan decides what the device holds
+            check_plan(recipe)
+            window, sink_frames = plan.window, plan.sink_frames
         super().__init__(recipe.model.num_layers, window, sink_frames)
         if recipe.scheme.policy.keyframe_interval < 0:
             raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
@@ -106,6 +117,7 @@ class QuantizedKVCache(KVCache):
         self._step_states: dict[int, dict[str, States]] = {}
         # per layer: (kind, head, span) -> the span's state (codec.fit_span_state)
         self._span_states: list[dict[tuple[str, int, int], Tensor]] = [{} for _ in range(recipe.model.num_layers)]
+        self.tiers = Tiers(self, plan) if plan is not None and plan.host_frames else None
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
@@ -207,6 +219,8 @@ class QuantizedKVCache(KVCache):
         to its final precision, evict, and re-store as anchors the chain frames whose
         predecessor was evicted."""
         held, index, R = self._frames[layer], self._num_appended[layer], self.policy.recent_frames
+        if self.tiers is not None:
+            self.tiers.lift(layer, index, key_rope)  # recall slots out of the way of the window's bookkeeping
         k_in, extra = self._key_input(layer, k_BHTD, key_rope)
         states = {kind: self._chain_states(layer, kind) for kind in KINDS if (layer, kind) in self._chains}
         if R > 0:
@@ -231,12 +245,20 @@ class QuantizedKVCache(KVCache):
                 if f in keep and f > 0 and f - 1 not in keep and record["bits"] != "recent" and "anchor" not in record[kind][0]:
                     record[kind] = [c.anchor(v) for c, v in zip(self._chains[(layer, kind)], kind_states[f])]
         for old in [f for f in held if f not in keep]:
+            if self.tiers is not None:  # to the host tier, self-contained
+                self.tiers.evicted(layer, old, held[old], {kind: s.get(old) for kind, s in states.items()})
             del held[old]
             for kind_states in states.values():
                 kind_states.pop(old, None)
         self._step_states[layer] = states
         self._release_spans(layer)
+        if self.tiers is not None:
+            self.tiers.recall(layer, index)
         return index
+
+    def expect(self, coords_BP: Tensor) -> None:
+        if self.tiers is not None:
+            self.tiers.query = coords_BP
 
     def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """Post-rotary keys and values of `frames` (default: all held), oldest first."""
@@ -308,6 +330,9 @@ class QuantizedKVCache(KVCache):
         return total
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
-        """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py)."""
+        """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py;
+        with a memory plan, its device tier: tiers.py)."""
+        if self.policy.plan is not None:
+            return predicted_device_bytes(self.recipe.model, self.recipe.scheme, self.policy.plan, num_appended, batch)
         return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
                                      self.sink_frames, batch)

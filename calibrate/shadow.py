@@ -74,6 +74,10 @@ class ShadowCache(KVCache):
         self.errors = {name: AttentionError(num_layers) for name in shadows}
         self._prev_err: dict[tuple[str, int], Tensor] = {}
 
+    def expect(self, coords_BP: Tensor) -> None:
+        for cache in self.shadows.values():
+            cache.expect(coords_BP)
+
     def observe(self, seen: Attended) -> None:
         layer, q_BHTD, out = seen.layer, seen.q_BHTD, seen.out_BHTD
         logp_ref = seen.logits_BHTN.log_softmax(-1)

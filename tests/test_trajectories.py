@@ -240,3 +240,29 @@ def test_load_rejects_non_safetensors_and_truncated(tmp_path):
     truncated.write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="truncated.safetensors"):
         load_trajectories(truncated)
+
+
+def test_long_revisit_returns_after_long_wanders():
+    """long_revisit: every return is to a pose seen >= 64 frames before, snaps are returns, steps
+    stay within limits elsewhere, positions stay in the disk; it is not in the default FAMILIES."""
+    from calibrate.types import ALL_FAMILIES
+    from calibrate.world.trajectories import LONG_AWAY_FRAMES
+
+    assert "long_revisit" not in FAMILIES and "long_revisit" in ALL_FAMILIES
+    max_move, max_turn = STEP_LIMITS["long_revisit"]
+    kinds = set()
+    for seed in range(6):
+        traj = make_trajectory("long_revisit", 2_000_000 + seed, 600)
+        p = traj.poses.double()
+        radius = (p[:, :2] - torch.tensor(CENTER, dtype=torch.float64)).norm(dim=-1)
+        assert float(radius.max()) <= CAMERA_RADIUS + 1e-6
+        pairs = revisit_pairs(traj)
+        assert pairs and all(t - s >= LONG_AWAY_FRAMES[0] for t, s in pairs), seed
+        move, turn = _steps(traj.poses)
+        over = {int(i) + 1 for i in torch.nonzero((move > max_move + 1e-5) | (turn > max_turn + 1e-3)).flatten()}
+        assert over <= {t for t, _ in pairs}
+        for t, _ in pairs:
+            if t - 1 not in {u for u, _ in pairs}:  # the frame the camera comes back at
+                kinds.add("snap" if t in over else "gradual")
+    assert kinds == {"snap", "gradual"}
+    assert torch.equal(make_trajectory("long_revisit", 5, 300).poses, make_trajectory("long_revisit", 5, 300).poses)

@@ -206,6 +206,7 @@ class TinyWorld(nn.Module):
         """Predict the frame at `pose_B3` from the newest frame (at `pose_prev_B3`)."""
         x = self._embed(frame_B3HW, action_B3)
         q_rope, k_rope = self.rotary(pose_B3), self.rotary(pose_prev_B3)
+        cache.expect(pose_B3)  # the pose being generated: a tiered cache recalls the frames seen nearest it
         for layer, block in enumerate(self.blocks):
             x = block.step(x, layer, cache, q_rope, k_rope)
         return self._readout(x, frame_B3HW)

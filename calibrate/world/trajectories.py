@@ -39,6 +39,15 @@ stays within ``STEP_LIMITS[family]`` except at snaps):
 - ``stress``: 10-25 deg/frame turns and up to 0.29 units/frame moves that reverse abruptly
   every 3-12 frames, plus occasional snaps (3% of frames) to a random pose.
 - ``static``: one pose held for every frame.
+- ``long_revisit`` (made on request only: not in ``FAMILIES``, the default sets): memory far beyond
+  a 16-frame window. The camera looks around at a place (a yaw sweep of 30-75 deg each side of
+  its heading, <= 8 deg/frame), then wanders away for 64-512 frames (log-uniform; smooth motion
+  at 0.03-0.08 units/frame, turning <= 8 deg/frame, turning toward the center at the boundary), sometimes looks around at where it ended up
+  (a new place), then returns to a place looked around at least ``LONG_AWAY_FRAMES[0]`` frames
+  earlier - in one snap, or gradually along a straight line (<= 0.08 units and 8 deg per frame)
+  - and replays that look-around's poses exactly, so every replayed frame is a return. Yaw is
+  unwrapped except where a return lands on the earlier pose's value (a multiple of 2 pi away;
+  actions are wrapped, so the model sees the small turn).
 
 ``revisit_pairs`` finds (return_frame, earlier_frame) pairs for any trajectory and
 ``leg_labels`` derives per-frame outbound/return labels from them.
@@ -55,7 +64,7 @@ import torch
 from torch import Tensor
 
 from calibrate.io import read_versioned, safetensors_bytes, write_bytes_atomic
-from calibrate.types import FAMILIES, Trajectory, check_family
+from calibrate.types import ALL_FAMILIES, FAMILIES, Trajectory, check_family
 from calibrate.world.render import CAMERA_RADIUS, CENTER
 
 SEED_RANGES = {
@@ -72,11 +81,13 @@ STEP_LIMITS = {
     "random_walk": (0.1, 8.0),
     "stress": (0.3, 25.0),
     "static": (0.0, 0.0),
+    "long_revisit": (0.1, 10.0),
 }
 MAX_EPISODE_FRAMES = 14  # frames from leaving home to being back, inclusive of the return
 REVISIT_AWAY_YAW_DEG = 60.0
 REVISIT_AWAY_DISTANCE = 0.4
 POSE_MATCH_TOL = 1e-6
+LONG_AWAY_FRAMES = (64, 512)  # long_revisit: frames of one wander (log-uniform), the least gap of a return
 FORMAT = "tinyworld-trajectories"
 FORMAT_VERSION = "1.0"
 
@@ -319,6 +330,75 @@ def _static(rng: _Draws, num_frames: int) -> list[_Pose]:
     return [(x, y, rng.uniform(-math.pi, math.pi))] * num_frames
 
 
+def _look_around(rng: _Draws, pose: _Pose) -> list[_Pose]:
+    """A yaw sweep at one place, starting at ``pose``: 2a (a = 30-75 deg) in steps <= 8 deg."""
+    sweep = 2 * math.radians(rng.uniform(30.0, 75.0)) * rng.sign()
+    n = max(6, math.ceil(abs(sweep) / math.radians(8.0)) + 1)
+    return [(pose[0], pose[1], pose[2] + sweep * k / (n - 1)) for k in range(n)]
+
+
+def _wander(rng: _Draws, pose: _Pose, num_frames: int) -> list[_Pose]:
+    """``num_frames`` frames of smooth motion along the view direction after ``pose``: speed and
+    turn rate redrawn every 8-24 frames; at the disk boundary it stops and turns toward the
+    center at 8 deg/frame until it faces within 45 deg of it."""
+    poses, countdown, speed, rate, turning = [], 0, 0.0, 0.0, False
+    for _ in range(num_frames):
+        if turning:
+            to_center = math.atan2(CENTER[1] - pose[1], CENTER[0] - pose[0])
+            off = math.remainder(to_center - pose[2], 2 * math.pi)
+            turning = abs(off) > math.radians(45.0)
+            if turning:
+                pose = (pose[0], pose[1], pose[2] + math.copysign(math.radians(8.0), off))
+                poses.append(pose)
+                continue
+            countdown = 0
+        if countdown == 0:
+            speed, rate = rng.uniform(0.03, 0.08), math.radians(rng.uniform(-6.0, 6.0))
+            countdown = rng.integer(8, 24)
+        countdown -= 1
+        x, y, yaw = _step(pose, speed, 0.0, rate)
+        if not _inside(x, y):
+            x, y = _project_inside(x, y)
+            turning = True
+        pose = (x, y, yaw)
+        poses.append(pose)
+    return poses
+
+
+def _return_to(rng: _Draws, pose: _Pose, target: _Pose) -> list[_Pose]:
+    """Frames after ``pose`` up to exactly ``target``: one snap, or a straight walk (the yaw the
+    short way round) in steps <= 0.08 units and 8 deg whose last frame is ``target`` itself."""
+    if rng.chance(0.5):
+        return [target]
+    dx, dy = target[0] - pose[0], target[1] - pose[1]
+    dyaw = math.remainder(target[2] - pose[2], 2 * math.pi)
+    n = max(4, math.ceil(math.hypot(dx, dy) / 0.08), math.ceil(abs(dyaw) / math.radians(8.0)))
+    return [(pose[0] + dx * k / n, pose[1] + dy * k / n, pose[2] + dyaw * k / n) for k in range(1, n)] + [target]
+
+
+def _long_revisit(rng: _Draws, num_frames: int) -> list[_Pose]:
+    x, y = rng.point_in_disk(0.75 * _RADIUS)
+    poses = [(x, y, rng.uniform(-math.pi, math.pi))]
+    places: list[tuple[int, int]] = []  # [first, stop) frames of each look-around
+
+    def look_around() -> None:
+        first = len(poses) - 1
+        poses.extend(_look_around(rng, poses[-1])[1:])
+        places.append((first, len(poses)))
+
+    look_around()
+    lo, hi = LONG_AWAY_FRAMES
+    while len(poses) < num_frames:
+        poses.extend(_wander(rng, poses[-1], round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+        if rng.chance(0.5):
+            look_around()  # a new place to come back to later
+        eligible = [p for p in places if p[1] <= len(poses) - lo]
+        first, stop = eligible[rng.integer(0, len(eligible) - 1)]
+        poses.extend(_return_to(rng, poses[-1], poses[first]))
+        poses.extend(poses[first + 1:stop])
+    return poses[:num_frames]
+
+
 _GENERATORS: dict[str, Callable[[_Draws, int], list[_Pose]]] = {
     "orbit": _orbit,
     "dolly": _dolly,
@@ -327,6 +407,7 @@ _GENERATORS: dict[str, Callable[[_Draws, int], list[_Pose]]] = {
     "random_walk": _random_walk,
     "stress": _stress,
     "static": _static,
+    "long_revisit": _long_revisit,
 }
 
 
@@ -338,7 +419,7 @@ def make_trajectory(family: str, seed: int, num_frames: int) -> Trajectory:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     # One stream per (seed, family); the family index keeps families of one seed independent.
-    rng = _Draws(seed * 16 + FAMILIES.index(family))
+    rng = _Draws(seed * 16 + ALL_FAMILIES.index(family))
     poses = torch.tensor(_GENERATORS[family](rng, num_frames), dtype=torch.float64).to(torch.float32)
     # Actions from the rounded float32 poses, so apply_action reproduces the stored poses.
     actions = actions_from_poses(poses.double()).to(torch.float32)
@@ -447,8 +528,8 @@ def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:
             family, seed, num_frames = meta["family"], meta["seed"], meta["num_frames"]
         except (KeyError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: metadata {i}.meta missing or malformed ({err!r})") from err
-        if family not in FAMILIES:
-            raise ValueError(f"{path}: {i}.meta family {family!r} unknown; allowed: {', '.join(FAMILIES)}")
+        if family not in ALL_FAMILIES:
+            raise ValueError(f"{path}: {i}.meta family {family!r} unknown; allowed: {', '.join(ALL_FAMILIES)}")
         if not isinstance(seed, int) or not isinstance(num_frames, int) or num_frames <= 0:
             raise ValueError(f"{path}: {i}.meta seed/num_frames must be integers, got {seed!r}, {num_frames!r}")
         for kind in ("poses", "actions"):
