@@ -19,7 +19,8 @@ and evaluates every recipe and every baseline on held-out evaluation seeds (all 
 element, PSNR vs the fp rollout per window (mean and p95), flicker, revisit consistency, the
 trap flag, the issue's targets met or not, where the remaining error comes from (per family and
 per tensor: ours with one layer's K or V in float16), and the time per frame of each recipe's
-rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir.
+rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir,
+and finished evaluations to its `partial/` (a rerun picks up those of unchanged recipes).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from calibrate.adapters import as_world
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
+from calibrate.fastcache import build_cache
 from calibrate.io import write_text_atomic
 from calibrate.recipe import Recipe, TensorSpec, save_recipe
-from calibrate.runtime import QuantizedKVCache
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
 
@@ -116,11 +117,12 @@ def targets(by: dict[str, dict]) -> list[dict]:
 
 
 def frame_times(world, recipes: dict[str, Recipe], device, frames: int = 64) -> dict[str, float]:
-    """Milliseconds per generated frame of each recipe's runtime, one orbit trajectory, batch 1."""
+    """Milliseconds per generated frame of each recipe's runtime (`eval.runtime=auto`: the fast one
+    where the recipe has a fast path), one orbit trajectory, batch 1."""
     trajs = make_trajectories(["orbit"], "evaluation", 1, frames)
     out = {}
     for name, recipe in recipes.items():
-        cache = QuantizedKVCache.from_recipe(recipe, 16, 1, device)
+        cache = build_cache(recipe, 16, 1, device)
         t0 = time.perf_counter()
         rollout_batch(world, trajs, cache, device, keep_frames=False)
         out[name] = 1000 * (time.perf_counter() - t0) / (frames - 1)
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
                                                             num_frames=args.frames))
     trajs = pipeline.trajectory_set(eval_cfg)
     runs = evaluate(as_world(model), {**recipes, **sources}, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames,
-                    device, cfg.trajectories.batch_size, attention=False)
+                    device, cfg.trajectories.batch_size, attention=False, partial_dir=run_dir / "partial")
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     rows = {r["scheme"]: r for r in rows_of(runs, rep)}
     by = {n: rows[n] for n in recipes}

@@ -53,6 +53,8 @@ def fast_path_problem(recipe: Recipe) -> str | None:
     from calibrate import fast_frames
 
     D = recipe.model.head_dim
+    if recipe.scheme.policy.plan is not None:
+        return "a memory plan (device and host tiers, recall: calibrate/tiers.py)"
     for i, pair in enumerate(recipe.scheme.layers):
         if getattr(pair.k, "jensen", False):
             return f"layer {i} k: the Jensen-bias correction (jensen)"
@@ -122,14 +124,18 @@ class _RotaryMemo:
 
     def angles(self, coords_BFP: Tensor) -> Tensor:
         B, F, P = coords_BFP.shape
-        if self.batched is not False:
-            out = self.at(coords_BFP.reshape(B * F, P)).angles_BTA
-            if self.batched is None:
-                ok = out.shape[0] == B * F and torch.equal(out.reshape(B, F, *out.shape[1:]), self._per_frame(coords_BFP))
-                self.batched = ok
-            if self.batched:
-                return out.reshape(B, F, *out.shape[1:])
-        return self._per_frame(coords_BFP)
+        if self.batched is False:
+            return self._per_frame(coords_BFP)
+        out = self.at(coords_BFP.reshape(B * F, P)).angles_BTA
+        rows = out.shape[0] == B * F  # e.g. Wan's `at` gives one row for the whole batch
+        if rows and self.batched:
+            return out.reshape(B, F, *out.shape[1:])
+        per_frame = self._per_frame(coords_BFP)
+        if not rows:
+            self.batched = False
+        elif B * F > 1:  # a single row proves nothing either way
+            self.batched = torch.equal(out.reshape(B, F, *out.shape[1:]), per_frame)
+        return per_frame
 
     def _per_frame(self, coords_BFP: Tensor) -> Tensor:
         B = coords_BFP.shape[0]

@@ -511,15 +511,17 @@ def test_schema_tables_match_the_dataclasses_and_format_md():
     from pathlib import Path
     import re
 
-    from calibrate.recipe_schema import MODEL_FIELDS, POLICY_FIELDS, SPEC_FIELDS
+    from calibrate.plan import MemoryPlan
+    from calibrate.recipe_schema import MODEL_FIELDS, PLAN_FIELDS, POLICY_FIELDS, SPEC_FIELDS
 
     assert set(MODEL_FIELDS) == {f.name for f in dc_fields(ModelInfo)}
-    assert set(POLICY_FIELDS) == {f.name for f in dc_fields(TokenPolicy)}
+    assert set(POLICY_FIELDS) | {"plan"} == {f.name for f in dc_fields(TokenPolicy)}  # plan: an object, PLAN_FIELDS
+    assert set(PLAN_FIELDS) == {f.name for f in dc_fields(MemoryPlan)}
     assert set(SPEC_FIELDS) == {f.name for f in dc_fields(TensorSpec)}
     text = (Path(__file__).resolve().parents[1] / "recipes" / "FORMAT.md").read_text(encoding="utf-8")
     documented = {}
     for m in re.finditer(r"^\| `(\w+)` \| (int list or null|int|number|bool|str) \|", text, re.MULTILINE):
         documented.setdefault(m.group(1), m.group(2))
-    for table in (MODEL_FIELDS, POLICY_FIELDS, SPEC_FIELDS):
+    for table in (MODEL_FIELDS, POLICY_FIELDS, SPEC_FIELDS, PLAN_FIELDS):
         for name, f in table.items():
             assert documented.get(name) == f.type, (name, documented.get(name), f.type)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from calibrate import codec
 from calibrate.codec import FP, HeadParams
-from calibrate.quant import packing
+from calibrate.quant import ordered, packing
 from calibrate.recipe import TensorSpec
 
 
@@ -55,10 +55,10 @@ class GroupCodec:
         y = x.float()
         side: dict[str, Tensor] = {}
         B, Hg, T, D = y.shape
-        if self.rotation is not None:
-            y = y @ self.rotation
+        if self.rotation is not None:  # the fixed-order product of codec.py: the same codes, bit for bit
+            y = ordered.matmul_heads(y, self.rotation)
         if self.centroids is not None:
-            assign = torch.cdist(y, self.centroids.unsqueeze(0).expand(B, -1, -1, -1)).argmin(-1)
+            assign = ordered.sq_distances_heads(y, self.centroids).argmin(-1)  # ties to the lowest index
             side["assign"] = assign.to(torch.uint8)
             y = y - self._centroid(assign)
         if self.outlier_idx is not None:
@@ -69,7 +69,7 @@ class GroupCodec:
             k = max(1, round(spec.sparse_fraction * T * D))
             center = codec._center(spec, p, y).reshape(B, Hg, T * D)
             flat = y.reshape(B, Hg, T * D)
-            idx = (flat - center).abs().topk(k, dim=-1).indices.sort(dim=-1).values
+            idx = codec.sparse_positions((flat - center).abs().reshape(B * Hg, T * D), k).reshape(B, Hg, k)
             side["sparse_idx"] = idx.to(torch.int16 if T * D < 2**15 else torch.int32)
             side["sparse_val"] = flat.gather(-1, idx).to(FP)
             y = flat.scatter(-1, idx, center.gather(-1, idx)).reshape(B, Hg, T, D)

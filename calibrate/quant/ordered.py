@@ -70,6 +70,32 @@ def matmul(x: Tensor, m_DK: Tensor) -> Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], K)
 
 
+def matmul_heads(x_BHND: Tensor, m_HDK: Tensor) -> Tensor:
+    """`matmul` with one matrix per head: x[:, h] @ M[h], [B, H, N, D] x [H, D, K] -> [B, H, N, K],
+    the same products and the same tree as `matmul` (bit for bit), every head at once."""
+    x, m = x_BHND.float(), m_HDK.float()
+    B, H, N, D = x.shape
+    K = m.shape[-1]
+    xt = x.permute(3, 0, 1, 2)  # [D, B, H, N]: the summed axis first
+    mt = m.permute(1, 0, 2)[:, None, :, None, :]  # [D, 1, H, 1, K]
+    step = max(1, CHUNK_ELEMENTS // max(1, D * B * H * K))
+    out = [_tree_sum_first(xt[..., i : i + step, None] * mt) for i in range(0, N, step)]
+    return torch.cat(out, dim=2) if out else x.new_zeros(B, H, 0, K)
+
+
+def sq_distances_heads(x_BHND: Tensor, c_HCD: Tensor) -> Tensor:
+    """`sq_distances` with one set of rows per head: [B, H, N, D] x [H, C, D] -> [B, H, N, C]."""
+    x, c = x_BHND.float(), c_HCD.float()
+    B, H, N, D = x.shape
+    C = c.shape[1]
+    step = max(1, CHUNK_ELEMENTS // max(1, B * H * C * D))
+    out = []
+    for i in range(0, N, step):
+        diff = x[:, :, i : i + step, None, :] - c[None, :, None]
+        out.append(tree_sum(diff * diff))
+    return torch.cat(out, dim=2) if out else x.new_zeros(B, H, 0, C)
+
+
 def sum_squares(x: Tensor) -> Tensor:
     """tree_sum of x_d * x_d over the last axis, [..., D] -> [..., 1] (a squared L2 norm)."""
     x = x.float()
