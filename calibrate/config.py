@@ -221,6 +221,19 @@ class MemoryConfig:
             raise ValueError(f"config: memory.yaw_radius must be a finite number >= 0, got {self.yaw_radius}")
         if any(r > self.host_frames for r in self.recall_slots):
             raise ValueError(f"config: memory.recall_slots {self.recall_slots} exceed memory.host_frames={self.host_frames}")
+        # checked here, before any replay or fit, rather than where the plan search uses them
+        from calibrate.fit.plan_search import byte_count
+        from calibrate.schemes import BUILDERS
+        from calibrate.world.trajectories import LONG_AWAY_FRAMES
+
+        if self.device_budget is not None:
+            byte_count(self.device_budget)
+        unknown = [s for s in self.schemes if s != "fitted" and s not in BUILDERS]
+        if unknown:
+            raise ValueError(f"config: memory.schemes {unknown} unknown; use 'fitted' or presets: {', '.join(BUILDERS)}")
+        if self.search_frames <= LONG_AWAY_FRAMES[0]:
+            raise ValueError(f"config: memory.search_frames={self.search_frames} leaves no return after "
+                             f">= {LONG_AWAY_FRAMES[0]} frames away; use more")
 
 
 @dataclass
@@ -271,6 +284,9 @@ def validate(cfg: Config) -> None:
     cfg.eval.check()
     cfg.train.check()
     cfg.memory.check()
+    if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
+        raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
+                         "use eval.runtime=auto with memory.device_budget")
     if cfg.task == "train_world" and cfg.model.name != "tinyworld":
         raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:

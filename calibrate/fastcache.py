@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from calibrate.cache import KVCache, Rope, attention_logits, attention_output, kept_frames
-from calibrate.fast_chain import ChainStore, rotate
+from calibrate.fast_chain import ChainStore
 from calibrate.memory import predicted_cache_bytes
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
@@ -70,6 +70,11 @@ def fast_path_problem(recipe: Recipe) -> str | None:
             if problem:
                 return f"layer {i} {kind}: {problem}"
     return None
+
+
+def resolved_runtime(recipe: Recipe, runtime: str) -> str:
+    """The runtime `build_cache` runs for `recipe`: "fast" or "reference"."""
+    return "fast" if runtime != "reference" and fast_path_problem(recipe) is None else "reference"
 
 
 def build_cache(recipe: Recipe, window: int, sink_frames: int, device, runtime: str = "auto") -> KVCache:

@@ -111,6 +111,18 @@ def fp16_cache_bytes(model: ModelInfo, num_appended: int, window: int, sink_fram
     return frames * model.num_layers * model.elements_per_frame * 2 * batch
 
 
+def fp16_device_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
+                      batch: int = 1) -> int:
+    """`fp16_cache_bytes` of the frames a cache of `scheme` holds on the device: with a memory plan,
+    the plan's window and sinks plus the recall slots in use (FORMAT.md, "Memory plan")."""
+    plan = scheme.policy.plan
+    if plan is None:
+        return fp16_cache_bytes(model, num_appended, window, sink_frames, batch)
+    kept = len(kept_frames(num_appended, plan.window, plan.sink_frames))
+    frames = kept + min(plan.recall_slots, plan.host_frames, num_appended - kept)
+    return frames * model.num_layers * model.elements_per_frame * 2 * batch
+
+
 def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames: int) -> float:
     """Average stored bits per cached K/V element at steady state (every per-frame byte counted).
 

@@ -181,7 +181,7 @@ class Scheme:
         if isinstance(policy_d, dict) and "plan" in policy_d:  # format 1.1, left out when absent
             policy_d = {k: v for k, v in policy_d.items() if k != "plan"}
         policy = TokenPolicy(**_parse(policy_d, POLICY_FIELDS, f"{where}.policy"))
-        if plan is not None:
+        if isinstance(d.get("policy"), dict) and "plan" in d["policy"]:  # an object, or left out: never null
             policy.plan = MemoryPlan(**_parse(plan, PLAN_FIELDS, f"{where}.policy.plan", ("device_budget_bytes",)))
         return Scheme(name=d["name"], layers=layers, policy=policy, notes=d.get("notes", ""))
 

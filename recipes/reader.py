@@ -22,7 +22,8 @@ stored bytes and decoded floats, reproduced from the document alone. Per head of
     stored = encode_head(x_BTD, spec, p)                        # == calibrate.codec.encode
     x_hat = decode_head(stored, spec, p, head_dim)              # == calibrate.codec.decode
 
-(kind "prq" with stages also takes the span's centroids, `span_state`). Sums go through
+(kind "prq" with stages also takes the span's centroids, `span_state`). `plan_of(metadata)` gives
+the memory plan, if any (window, sinks, host tier, recall by pose). Sums go through
 `tree_sum` (the halving tree), never `@`. `tests/test_reader_exact.py` runs recipes that use
 every role through the runtime and this reader side by side and compares every byte.
 """
@@ -389,6 +390,17 @@ def spec_of(meta, layer, kind):
 
 def bits_of(spec, head):
     return spec["head_bits"][head] if spec["head_bits"] else spec["bits"]
+
+
+PLAN_DEFAULTS = {"window": 16, "sink_frames": 1, "recall_slots": 0, "host_frames": 0, "recall": "pose",
+                 "yaw_radius": 1.0, "reuse": "resident"}
+
+
+def plan_of(meta):
+    """The memory plan (FORMAT.md "Memory plan") with defaults filled in, or None. A runtime that
+    does not implement the tiers must refuse a recipe that has one, never run it with its own window."""
+    plan = meta["scheme"].get("policy", {}).get("plan")
+    return None if plan is None else {**PLAN_DEFAULTS, **plan}
 
 
 def held_bits(policy, spec, head, f, n):

@@ -372,3 +372,36 @@ def test_cli_a_pose_plan_on_a_model_without_pose_is_one_line_exit_2(tmp_path):
              if part and ("error:" in part or not _is_progress(part))]
     assert run_.returncode == 2, run_.stderr[-2000:]
     assert len(lines) == 1 and "recall='pose'" in lines[0] and "camera pose" in lines[0], run_.stderr
+
+
+def test_evaluating_a_plan_with_attention_metrics_leaves_them_out_and_counts_its_own_frames(tiny_world):
+    """A plan's cache holds other frames than the float reference (its window, recalled slots):
+    evaluation must not compare their attention (it used to crash), and its fp16 bytes are those
+    of the device tier's frames, so bits per element stay bits per stored element."""
+    from calibrate.adapters import TinyWorldAdapter
+    from calibrate.evaluate.run import evaluate
+    from calibrate.schemes import build_baseline
+    from calibrate.world.trajectories import make_trajectories
+
+    world = TinyWorldAdapter(tiny_world)
+    recipe = build_baseline("fp16", world.info)
+    plan = with_plan(recipe, window=2, sink_frames=1, recall_slots=2, host_frames=8)
+    trajs = make_trajectories(["orbit"], "evaluation", 1, 12)
+    runs = evaluate(world, {"plain": recipe, "plan": plan}, trajs, 4, 1, torch.device("cpu"), attention=True)
+    assert runs["plain"].attention and not runs["plan"].attention
+    mem = runs["plan"].memory
+    assert mem["bytes"] == mem["predicted_bytes"]
+    assert mem["fp16_bytes"] == mem["bytes"]  # fp16 recipe: stored == float16 bytes of the same frames
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"device_budget": "lots"}, "not a byte count"),
+    ({"schemes": ["fitted", "nonsense"]}, r"memory.schemes \['nonsense'\] unknown"),
+    ({"search_frames": 10}, "leaves no return"),
+])
+def test_plan_search_settings_are_refused_before_any_replay(fields, message):
+    from calibrate.config import MemoryConfig
+
+    with pytest.raises(ValueError, match=message):
+        MemoryConfig(**fields).check()
+    MemoryConfig(device_budget="816KiB").check()

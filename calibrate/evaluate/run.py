@@ -36,8 +36,8 @@ from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
-from calibrate.memory import fp16_cache_bytes
-from calibrate.fastcache import build_cache
+from calibrate.memory import fp16_device_bytes
+from calibrate.fastcache import build_cache, resolved_runtime
 from calibrate.shadow import ShadowCache
 from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import revisit_pairs
@@ -112,7 +112,7 @@ def setting_key(info: ModelInfo, trajs: list[Trajectory], window: int, sink_fram
 
 def partial_key(setting: str, recipe: Recipe, attention: bool, runtime: str = "auto") -> str:
     """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics
-    computed, the runtime asked for (fast and reference differ in float rounding)."""
+    computed, the runtime that runs it (fast and reference differ in float rounding)."""
     return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention,
                     "runtime": runtime})
 
@@ -200,7 +200,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     keys = {}
     if partial_dir is not None:
         setting = setting_key(world.info, trajs, window, sink_frames, batch_size, device)
-        keys = {name: partial_key(setting, r, attention, runtime) for name, r in recipes.items()}
+        keys = {name: partial_key(setting, r, attention, resolved_runtime(r, runtime)) for name, r in recipes.items()}
     reuse = _reusable(partial_dir, keys, len(groups), on_rollout is not None, keep_frames)
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
     first = 0
@@ -211,7 +211,13 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
         if todo:  # the fp reference is rolled out only for schemes that are computed
             truth = world.ground_truth(group, device)
             has_truth = truth is not None
-            shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo} if attention else {}
+            # attention metrics compare with a float cache of the same frames: not for a memory plan,
+            # whose device tier holds other frames (its own window, recalled slots)
+            shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo
+                       if attention and recipes[n].scheme.policy.plan is None}
+            if attention and len(shadows) < len(todo):
+                log.info("attention metrics left out for %s: a memory plan's cache holds other frames than the "
+                         "float reference", ", ".join(n for n in todo if n not in shadows))
             fp_cache = ShadowCache(layers, window, sink_frames, shadows)
             where = f"batch {bi + 1}/{len(groups)}"
             ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth, desc=f"fp reference, {where}")
@@ -227,8 +233,9 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 results = _traj_results(group, ref, quant, truth)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
-                          "fp16_bytes": fp16_cache_bytes(recipes[name].model, n, window, sink_frames, len(group))}
-                attn = fp_cache.errors[name].sums if attention else {}
+                          "fp16_bytes": fp16_device_bytes(recipes[name].model, recipes[name].scheme, n, window, sink_frames,
+                                                          len(group))}
+                attn = fp_cache.errors[name].sums if name in shadows else {}
                 _track_worst(runs[name], results, ref, quant)
                 if on_rollout is not None:  # before the partial file: a reused file always has its sheets
                     on_rollout(name, first, ref, quant, truth if has_truth else None)

@@ -58,9 +58,17 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
 def parse_budget(text: str, info: ModelInfo, window: int, sink_frames: int) -> int:
     """Bytes per trajectory of `memory.device_budget`: a byte count with an optional unit (`835584`,
     `816KiB`, `0.8MB`) or `fp16` = the float16 cache of `window` + `sink_frames` frames."""
+    count = byte_count(text)
+    if count is None:
+        return fp16_cache_bytes(info, steady_state_frames(window, sink_frames), window, sink_frames)
+    return count
+
+
+def byte_count(text: str) -> int | None:
+    """`memory.device_budget` without the model: its bytes, or None for `fp16`; ValueError if malformed."""
     t = str(text).strip().lower()
     if t == "fp16":
-        return fp16_cache_bytes(info, steady_state_frames(window, sink_frames), window, sink_frames)
+        return None
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
     if m is None or m.group(2) not in _UNITS:
         raise ValueError(f"config: memory.device_budget={text!r} is not a byte count (e.g. 835584, 816KiB, 0.8MB) "

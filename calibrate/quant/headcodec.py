@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from calibrate import codec
-from calibrate.codec import FP, HeadParams
+from calibrate.codec import FP
 from calibrate.quant import ordered, packing
 from calibrate.recipe import TensorSpec
 
