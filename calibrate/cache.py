@@ -61,11 +61,13 @@ class Rope:
     at: Callable[[Tensor], "Rope"] | None = field(default=None, compare=False, repr=False)
 
     def apply(self, x_BHTD: Tensor) -> Tensor:
-        cos = self.angles_BTA.cos().unsqueeze(1)
-        sin = self.angles_BTA.sin().unsqueeze(1)
-        x0, x1 = x_BHTD[..., 0::2], x_BHTD[..., 1::2]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return out.flatten(-2)
+        return rotate_pairs(x_BHTD, self.angles_BTA.cos().unsqueeze(1), self.angles_BTA.sin().unsqueeze(1))
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary rotation of channel pairs (2i, 2i+1) of the last axis by angles given as cos, sin."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
 def kept_frames(num_appended: int, window: int, sink_frames: int) -> list[int]:

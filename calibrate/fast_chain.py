@@ -37,18 +37,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import kept_frames
+from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.chainscan import segmented_states
 
 FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`cache.Rope.apply` with the angles' cos and sin given (pairs (2i, 2i+1) of the last axis)."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
 class ChainStore:
@@ -320,7 +314,7 @@ class ChainStore:
             states = self.scan(chain_pre, tokens) if chain_pre else None
             v_e = None
             if commit:
-                x = torch.cat((_tokens(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
+                x = torch.cat((token_block(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
             if not decode:
                 continue
@@ -374,7 +368,7 @@ class ChainStore:
         x = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         k, v = x[:, : self.H], x[:, self.H:]
         if self.pre_rotary:
-            k = rotate(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
+            k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, F, Tb, D = k.shape
         return k.reshape(B, H, F * Tb, D), v.reshape(B, H, F * Tb, D), None
 
@@ -395,7 +389,7 @@ class ChainStore:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent))
 
 
-def _tokens(x, tokens: slice) -> Tensor:
+def token_block(x, tokens: slice) -> Tensor:
     """Tokens of a frame given as a tensor [B, H, T, D] or as something with `block(tokens)`
     (`fastcache.RotatedKeys`: post-rotary keys made a block at a time)."""
     return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import kept_frames
+from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.codec import frame_nbytes
-from calibrate.fast_chain import _tokens, rotate
+from calibrate.fast_chain import token_block
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.logit_noise import logit_inflation
@@ -157,7 +157,7 @@ class FrameStore:
                 x = x.full()  # per-channel ranges need the whole frame
             for t0 in range(0, self.T, step):
                 tokens = slice(t0, t0 + step) if step < self.T else slice(None)
-                xt = _tokens(x, tokens) if step < self.T else x
+                xt = token_block(x, tokens) if step < self.T else x
                 for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
                     for key, t in g.encode(xt if len(g.heads) == self.H else xt[:, g.heads]).items():
                         bufs[key][:, :, slot, tokens] = t
@@ -250,7 +250,7 @@ class FrameStore:
         k, v = self._decode(name, "k", slots, tokens), self._decode(name, "v", slots, tokens)
         if self.pre_rotary:
             cos, sin = rope(frames)
-            k = rotate(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
+            k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, J, T, D = k.shape
         corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
         return k.reshape(B, H, J * T, D), v.reshape(B, H, J * T, D), corr

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from calibrate.cache import KVCache, Rope, attention_logits, attention_output, kept_frames
-from calibrate.fast_chain import ChainStore
+from calibrate.fast_chain import ChainStore, token_block
 from calibrate.memory import predicted_cache_bytes
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
@@ -107,11 +107,6 @@ class RotatedKeys:
 
     def full(self) -> Tensor:
         return self.rope.apply(self.k)
-
-
-def token_block(x, tokens: slice) -> Tensor:
-    """Tokens of a frame [B, H, T, D] given as a tensor or as `RotatedKeys`."""
-    return x.block(tokens) if isinstance(x, RotatedKeys) else x[:, :, tokens]
 
 
 class _RotaryMemo:
