@@ -16,7 +16,6 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="artifacts/benchmarks")
     p.add_argument("--run-dir", default=None)
     args = p.parse_args(argv)
-    overrides = [f"task=compare", f"schemes=[{args.schemes}]", f"trajectories={args.trajectories}"]
+    overrides = ["task=compare", f"schemes=[{args.schemes}]", f"trajectories={args.trajectories}"]
     if args.frames:
         overrides.append(f"trajectories.num_frames={args.frames}")
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):

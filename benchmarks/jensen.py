@@ -42,7 +42,7 @@ from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.fit.logit_correction import ALPHAS, key_error_variance
 from calibrate.io import write_text_atomic
-from calibrate.recipe import Recipe, Scheme, TensorSpec, uniform_scheme
+from calibrate.recipe import Recipe, Scheme, TensorSpec
 from calibrate.schemes import build_baseline
 
 CACHES = {"channel": "jensen2", "token": "kivi2_lowmem"}

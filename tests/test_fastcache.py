@@ -25,7 +25,7 @@ from calibrate.schemes import build_baseline
 
 from test_runtime import CACHE_RECIPES, POLICY, SPECS
 from test_runtime_predictive import predictive_recipe, sequence
-from toys import B, D, H, INFO, T, kv_frames, toy_recipe
+from toys import B, D, H, INFO, kv_frames, toy_recipe
 
 ATOL_OUT = 1e-5
 RTOL_OUT = 1e-5

@@ -2,12 +2,9 @@
 research spec's vectors J1-J4, its equality with the key-noise correction at sigma^2 = Delta^2/12,
 and that the runtime reads each key's own stored steps."""
 
-import math
-
 import pytest
 import torch
 
-from calibrate.cache import KVCache
 from calibrate.codec import HeadParams, encode, key_steps
 from calibrate.quant.jensen import jensen_bias, jensen_bias_exact
 from calibrate.quant.logit_noise import logit_inflation

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from calibrate.cache import KVCache, Rope, kept_frames
+from calibrate.cache import Rope, kept_frames
 from calibrate.chain import frame_role
 from calibrate.fit.predictive import fit_head
 from calibrate.predictive_roles import head_params, stack_heads
