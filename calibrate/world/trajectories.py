@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from calibrate.io import read_versioned, safetensors_bytes, write_bytes_atomic
-from calibrate.types import ALL_FAMILIES, Trajectory, check_family
+from calibrate.types import ALL_FAMILIES, FAMILIES, Trajectory, check_family  # noqa: F401 (FAMILIES: re-exported)
 from calibrate.world.render import CAMERA_RADIUS, CENTER
 
 SEED_RANGES = {
