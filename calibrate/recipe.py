@@ -177,12 +177,12 @@ class Scheme:
                 raise RecipeError(f"{where}.layers[{i}]: must be a JSON object with fields 'k' and 'v'")
             layers.append(LayerSpec(k=_spec(entry["k"], f"{where}.layers[{i}].k"), v=_spec(entry["v"], f"{where}.layers[{i}].v")))
         policy_d = d.get("policy", {})
-        plan = policy_d.get("plan") if isinstance(policy_d, dict) else None
-        if isinstance(policy_d, dict) and "plan" in policy_d:  # format 1.1, left out when absent
-            policy_d = {k: v for k, v in policy_d.items() if k != "plan"}
-        policy = TokenPolicy(**_parse(policy_d, POLICY_FIELDS, f"{where}.policy"))
-        if isinstance(d.get("policy"), dict) and "plan" in d["policy"]:  # an object, or left out: never null
-            policy.plan = MemoryPlan(**_parse(plan, PLAN_FIELDS, f"{where}.policy.plan", ("device_budget_bytes",)))
+        has_plan = isinstance(policy_d, dict) and "plan" in policy_d  # format 1.1: an object, or left out (never null)
+        policy = TokenPolicy(**_parse({k: v for k, v in policy_d.items() if k != "plan"} if has_plan else policy_d,
+                                      POLICY_FIELDS, f"{where}.policy"))
+        if has_plan:
+            policy.plan = MemoryPlan(**_parse(policy_d["plan"], PLAN_FIELDS, f"{where}.policy.plan",
+                                              ("device_budget_bytes",)))
         return Scheme(name=d["name"], layers=layers, policy=policy, notes=d.get("notes", ""))
 
 
