@@ -408,7 +408,7 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         if record["upgrades"]:
             candidates["no_mixed_precision"] = base
     scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
-                                cfg.trajectories.batch_size)
+                                cfg.trajectories.batch_size, cfg.eval.runtime)
     chosen = choose(scores)
     recipe = candidates[chosen]
     record_choice(record, scores, chosen, recipe)
