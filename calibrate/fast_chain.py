@@ -45,6 +45,23 @@ FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
 
 
+class IndexTensors:
+    """Index tensors of integer lists, made once per list: a step's slot lists repeat from step to
+    step, and a host-to-device tensor per list and step would be work on the hot path."""
+
+    def __init__(self, device: torch.device, capacity: int = 256):
+        self.device, self.capacity = device, capacity
+        self.made: dict[tuple, Tensor] = {}
+
+    def __call__(self, values: list[int]) -> Tensor:
+        key = tuple(values)
+        if key not in self.made:
+            if len(self.made) > self.capacity:
+                self.made.clear()
+            self.made[key] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self.made[key]
+
+
 class ChainStore:
     """One layer's predictive K and V (see the module docstring)."""
 
@@ -99,7 +116,7 @@ class ChainStore:
         self.anchor_frame: int | None = None
         self._scan_core, self._values_core = self._scan, self._values
         self.B: int | None = None
-        self._index_cache: dict[tuple, Tensor] = {}
+        self._index = IndexTensors(self.device)
 
     # ---- buffers ----------------------------------------------------------------------------
     def allocate(self, B: int) -> None:
@@ -132,14 +149,6 @@ class ChainStore:
         anchors = [f for f in chain if f > 0 and f - 1 not in held]
         assert len(anchors) <= 1, anchors
         return anchors[0] if anchors else None
-
-    def _index(self, values: list[int]) -> Tensor:
-        key = tuple(values)
-        if key not in self._index_cache:
-            if len(self._index_cache) > 256:
-                self._index_cache.clear()
-            self._index_cache[key] = torch.tensor(values, dtype=torch.long, device=self.device)
-        return self._index_cache[key]
 
     # ---- the code ---------------------------------------------------------------------------
     def scan(self, chain: list[int], tokens: slice) -> Tensor:

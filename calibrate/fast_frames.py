@@ -21,7 +21,7 @@ from torch import Tensor
 
 from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.codec import frame_nbytes
-from calibrate.fast_chain import token_block
+from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.logit_noise import logit_inflation
@@ -103,7 +103,7 @@ class FrameStore:
         self.frame_block = frame_block
         self.token_block = self.T
         self.B: int | None = None
-        self._index_cache: dict[tuple, Tensor] = {}
+        self._index = IndexTensors(self.device)
 
     def _capacities(self) -> dict[str, int]:
         """The most frames of each class held at once (simulated over a few key-frame periods)."""
@@ -177,14 +177,6 @@ class FrameStore:
                 out = x.new_empty(x.shape[0], self.H, *x.shape[2:])
             out[:, g.heads] = x
         return out
-
-    def _index(self, values: list[int]) -> Tensor:
-        key = tuple(values)
-        if key not in self._index_cache:
-            if len(self._index_cache) > 256:
-                self._index_cache.clear()
-            self._index_cache[key] = torch.tensor(values, dtype=torch.long, device=self.device)
-        return self._index_cache[key]
 
     # ---- a step ---------------------------------------------------------------------------------
     @property
