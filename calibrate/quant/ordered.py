@@ -59,20 +59,13 @@ def _tree_sum_first(t: Tensor) -> Tensor:
 
 def matmul(x: Tensor, m_DK: Tensor) -> Tensor:
     """`x @ M` [..., D] x [D, K] -> [..., K]: output k is tree_sum over d of x_d * M_dk."""
-    x, m = x.float(), m_DK.float()
-    D, K = m.shape
-    rows_T = x.reshape(-1, D).T  # [D, N]: products laid out [D, N, K], the summed axis first
-    N = rows_T.shape[1]
-    step = max(1, CHUNK_ELEMENTS // max(1, D * K))
-    if N <= step:  # one chunk (a frame of one head): no list, no concatenation
-        return _tree_sum_first(rows_T[:, :, None] * m[:, None, :]).reshape(*x.shape[:-1], K)
-    out = [_tree_sum_first(rows_T[:, i : i + step, None] * m[:, None, :]) for i in range(0, N, step)]
-    return torch.cat(out).reshape(*x.shape[:-1], K)
+    D, K = m_DK.shape
+    return matmul_heads(x.reshape(1, 1, -1, D), m_DK[None]).reshape(*x.shape[:-1], K)
 
 
 def matmul_heads(x_BHND: Tensor, m_HDK: Tensor) -> Tensor:
-    """`matmul` with one matrix per head: x[:, h] @ M[h], [B, H, N, D] x [H, D, K] -> [B, H, N, K],
-    the same products and the same tree as `matmul` (bit for bit), every head at once."""
+    """`matmul` with one matrix per head: x[:, h] @ M[h], [B, H, N, D] x [H, D, K] -> [B, H, N, K]
+    (`matmul` is its one-head case: the same products and the same tree)."""
     x, m = x_BHND.float(), m_HDK.float()
     B, H, N, D = x.shape
     K = m.shape[-1]
@@ -84,7 +77,8 @@ def matmul_heads(x_BHND: Tensor, m_HDK: Tensor) -> Tensor:
 
 
 def sq_distances_heads(x_BHND: Tensor, c_HCD: Tensor) -> Tensor:
-    """`sq_distances` with one set of rows per head: [B, H, N, D] x [H, C, D] -> [B, H, N, C]."""
+    """`sq_distances` with one set of rows per head: [B, H, N, D] x [H, C, D] -> [B, H, N, C]
+    (`sq_distances` is its one-head case)."""
     x, c = x_BHND.float(), c_HCD.float()
     B, H, N, D = x.shape
     C = c.shape[1]
@@ -104,15 +98,8 @@ def sum_squares(x: Tensor) -> Tensor:
 
 def sq_distances(x: Tensor, c_CD: Tensor) -> Tensor:
     """tree_sum over d of (x_d - c_d)^2 for every row c of C: [..., D] x [C, D] -> [..., C]."""
-    x, c = x.float(), c_CD.float()
-    D = c.shape[-1]
-    rows = x.reshape(-1, D)
-    step = max(1, CHUNK_ELEMENTS // max(1, c.numel()))
-    out = []
-    for i in range(0, rows.shape[0], step):
-        diff = rows[i : i + step, None, :] - c
-        out.append(tree_sum(diff * diff))
-    return (torch.cat(out) if out else rows.new_zeros(0, c.shape[0])).reshape(*x.shape[:-1], c.shape[0])
+    C, D = c_CD.shape
+    return sq_distances_heads(x.reshape(1, 1, -1, D), c_CD[None]).reshape(*x.shape[:-1], C)
 
 
 def batched_dot(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
