@@ -7,12 +7,12 @@ import torch
 
 from calibrate.cache import Rope, kept_frames
 from calibrate.chain import frame_role
-from calibrate.fit.predictive import fit_head
-from calibrate.predictive_roles import head_params, stack_heads
+from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
 from calibrate.recipe import LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe, save_recipe
 from calibrate.runtime import QuantizedKVCache
 from calibrate.types import ModelInfo
+from toys import predictive_roles
 
 L, H, T, D = 2, 2, 4, 16
 
@@ -46,14 +46,7 @@ def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred"):
         specs = {}
         for kind, xs in (("k", ks), ("v", vs)):
             x = torch.stack(xs, dim=2)  # B H F T D
-            params = []
-            for h in range(H):
-                flat = x[:, h].reshape(-1, D)
-                mean = flat.mean(0)
-                cov = (flat - mean).T @ (flat - mean) / len(flat)
-                d = (x[:, h, 1:] - x[:, h, :-1]).reshape(-1, D)
-                params.append(fit_head(mean, cov, d.T @ d / len(d), 2.0))
-            roles = stack_heads(params)
+            roles = predictive_roles(x)
             tensors.update({f"layers.{i}.{kind}.{r}": t for r, t in roles.items()})
             specs[kind] = TensorSpec(bits=2, kind="predictive", rotation="learned",
                                      rotary_coords=2 if (kind == "k" and pre_rotary) else 0,

@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from calibrate.cache import Rope, kept_frames
-from calibrate.fit.predictive import fit_head
 from calibrate.plan import MemoryPlan, pose_distance
-from calibrate.predictive_roles import stack_heads
 from calibrate.recipe import (LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe,
                               save_recipe, uniform_scheme)
 from calibrate.runtime import QuantizedKVCache
 from calibrate.tiers import (SLOT_BASE, host_count, nearest, predicted_host_bytes, record_nbytes, slot_nbytes,
                              steady_device_bytes)
 from calibrate.types import ModelInfo
+from toys import predictive_roles
 
 L, H, T, D = 2, 2, 4, 16
 INFO = ModelInfo("toy", L, H, D, T, "f" * 16)
@@ -57,14 +56,7 @@ def predictive_recipe(pre_rotary=True, temporal=True):
         specs = {}
         for j, kind in enumerate(("k", "v")):
             x = torch.stack([f[j] for f in data], dim=2)  # B H F T D
-            params = []
-            for h in range(H):
-                flat = x[:, h].reshape(-1, D)
-                mean = flat.mean(0)
-                cov = (flat - mean).T @ (flat - mean) / len(flat)
-                d = (x[:, h, 1:] - x[:, h, :-1]).reshape(-1, D)
-                params.append(fit_head(mean, cov, d.T @ d / len(d), 2.0))
-            roles = stack_heads(params)
+            roles = predictive_roles(x)
             tensors.update({f"layers.{i}.{kind}.{r}": t for r, t in roles.items()})
             specs[kind] = TensorSpec(bits=2, kind="predictive", rotation="learned", temporal=temporal,
                                      rotary_coords=3 if (kind == "k" and pre_rotary) else 0,

@@ -10,6 +10,8 @@ import torch
 
 from calibrate.cache import Rope
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
+from calibrate.fit.predictive import fit_head
+from calibrate.predictive_roles import stack_heads
 from calibrate.quant.rotation import random_hadamard
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, expected_shapes, uniform_scheme, validate
 from calibrate.world.model import TinyWorld, TinyWorldConfig
@@ -100,3 +102,17 @@ def frame_bits(stored_head: dict) -> int:
     if "fp16" in stored_head:
         return 16
     return stored_head["codes"].shape[-1] * 8 // D  # packed_nbytes(D, b) = D/8 * b
+
+
+def predictive_roles(x_BHFTD: torch.Tensor, bits: float = 2.0) -> dict[str, torch.Tensor]:
+    """The predictive roles of one tensor fitted per head to frames x [B, H, F, T, D]: the sample's
+    mean and covariance, and the covariance of its frame-to-frame differences."""
+    D = x_BHFTD.shape[-1]
+    params = []
+    for h in range(x_BHFTD.shape[1]):
+        flat = x_BHFTD[:, h].reshape(-1, D)
+        mean = flat.mean(0)
+        cov = (flat - mean).T @ (flat - mean) / len(flat)
+        d = (x_BHFTD[:, h, 1:] - x_BHFTD[:, h, :-1]).reshape(-1, D)
+        params.append(fit_head(mean, cov, d.T @ d / len(d), bits))
+    return stack_heads(params)
