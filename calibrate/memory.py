@@ -107,20 +107,23 @@ def span_state_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window
 
 def fp16_cache_bytes(model: ModelInfo, num_appended: int, window: int, sink_frames: int, batch: int = 1) -> int:
     """Bytes of the same frames held in float16: the reference every ratio is taken to."""
-    frames = len(kept_frames(num_appended, window, sink_frames))
-    return frames * model.num_layers * model.elements_per_frame * 2 * batch
+    return len(kept_frames(num_appended, window, sink_frames)) * fp16_frame_bytes(model, batch)
 
 
-def fp16_device_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
-                      batch: int = 1) -> int:
-    """`fp16_cache_bytes` of the frames a cache of `scheme` holds on the device: with a memory plan,
-    the plan's window and sinks plus the recall slots in use (FORMAT.md, "Memory plan")."""
-    plan = scheme.policy.plan
-    if plan is None:
-        return fp16_cache_bytes(model, num_appended, window, sink_frames, batch)
-    kept = len(kept_frames(num_appended, plan.window, plan.sink_frames))
-    frames = kept + min(plan.recall_slots, plan.host_frames, num_appended - kept)
-    return frames * model.num_layers * model.elements_per_frame * 2 * batch
+def fp16_frame_bytes(model: ModelInfo, batch: int = 1) -> int:
+    """Bytes of one frame's K/V over every layer in float16."""
+    return model.num_layers * model.elements_per_frame * 2 * batch
+
+
+def steady_phases(scheme: Scheme) -> int:
+    """Appends after which a full cache of `scheme` holds the same classes again: the key-frame
+    interval and every span length (kind "prq") in one least common multiple."""
+    phases = max(scheme.policy.keyframe_interval, 1)
+    for pair in scheme.layers:
+        for spec in (pair.k, pair.v):
+            if span_of(spec, 0) is not None:
+                phases = math.lcm(phases, spec.prq_span_frames)
+    return phases
 
 
 def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames: int) -> float:
@@ -133,13 +136,8 @@ def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames:
     """
     n0 = steady_state_frames(window, sink_frames)
     fp16 = fp16_cache_bytes(model, n0, window, sink_frames)
-    phases = max(scheme.policy.keyframe_interval, 1)
-    for pair in scheme.layers:
-        for spec in (pair.k, pair.v):
-            if span_of(spec, 0) is not None:
-                phases = math.lcm(phases, spec.prq_span_frames)
     return max(16.0 * predicted_cache_bytes(model, scheme, n, window, sink_frames) / fp16
-               for n in range(n0, n0 + phases))
+               for n in range(n0, n0 + steady_phases(scheme)))
 
 
 def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:

@@ -50,15 +50,14 @@ recall by pose: `recall="pose"` needs 3 rotary coordinates per frame and is refu
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from calibrate import chain
 from calibrate.cache import Rope, kept_frames
 from calibrate.codec import frame_nbytes, span_of
-from calibrate.memory import KINDS, STEADY_STATE_MARGIN, predicted_cache_bytes
+from calibrate.memory import (KINDS, STEADY_STATE_MARGIN, fp16_cache_bytes, fp16_frame_bytes, predicted_cache_bytes,
+                              steady_phases)
 from calibrate.plan import POSE_COORDS, MemoryPlan, pose_distance
 from calibrate.recipe import Recipe, Scheme
 from calibrate.types import ModelInfo
@@ -118,12 +117,18 @@ def steady_device_bytes(model: ModelInfo, scheme: Scheme, plan: MemoryPlan) -> i
     """The device tier's bytes per trajectory at steady state (window full, every slot filled),
     the largest over one period of the key-frame and span phases (as `memory.bits_per_element`)."""
     n0 = plan.sink_frames + plan.window + plan.recall_slots + STEADY_STATE_MARGIN
-    phases = max(scheme.policy.keyframe_interval, 1)
-    for pair in scheme.layers:
-        for spec in (pair.k, pair.v):
-            if span_of(spec, 0) is not None:
-                phases = math.lcm(phases, spec.prq_span_frames)
-    return max(predicted_device_bytes(model, scheme, plan, n) for n in range(n0, n0 + phases))
+    return max(predicted_device_bytes(model, scheme, plan, n) for n in range(n0, n0 + steady_phases(scheme)))
+
+
+def fp16_device_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
+                      batch: int = 1) -> int:
+    """`fp16_cache_bytes` of the frames a cache of `scheme` holds on the device: with a memory plan,
+    the plan's window and sinks plus its filled recall slots (FORMAT.md, "Memory plan")."""
+    plan = scheme.policy.plan
+    if plan is None:
+        return fp16_cache_bytes(model, num_appended, window, sink_frames, batch)
+    return (fp16_cache_bytes(model, num_appended, plan.window, plan.sink_frames, batch)
+            + filled_slots(plan, num_appended) * fp16_frame_bytes(model, batch))
 
 
 def check_plan(recipe: Recipe) -> None:

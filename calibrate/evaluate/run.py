@@ -36,9 +36,9 @@ from calibrate.evaluate import metrics as M
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
-from calibrate.memory import fp16_device_bytes
 from calibrate.fastcache import build_cache, resolved_runtime
 from calibrate.shadow import ShadowCache
+from calibrate.tiers import fp16_device_bytes
 from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import revisit_pairs
 
