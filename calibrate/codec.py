@@ -175,21 +175,26 @@ def _uniform_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec,
     return affine.ungroup(affine.dequantize(g, dyn["scale"].float(), zero, p.bits, spec.symmetric))
 
 
-def _codebook_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+def _codebook_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, nearest=None) -> tuple[Tensor, dict[str, Tensor]]:
+    """`nearest(u) -> codes` picks levels in the normalized domain (default: the head's row,
+    `codebook.nearest_level`; quant/headcodec.py passes one row per head)."""
+    nearest = nearest or (lambda u: codebook.nearest_level(u, p.levels_L))
     D = y.shape[-1]
     if spec.axis == "channel" and spec.static:
         scale, zero = p.scale_D, p.zero_D
-        return codebook.nearest_level(((y - zero) / scale).clamp(-1, 1), p.levels_L), {}
+        return nearest(((y - zero) / scale).clamp(-1, 1)), {}
     g = affine.group_view(y, spec.group_size or D)
     scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(FP_EPS).to(FP).float()
     zero = torch.zeros_like(scale)
-    codes = codebook.nearest_level(((g - zero) / scale).clamp(-1, 1), p.levels_L)
+    codes = nearest(((g - zero) / scale).clamp(-1, 1))
     return affine.ungroup(codes), {"scale": scale.to(FP)}
 
 
-def _codebook_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+def _codebook_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
+                         lookup=None) -> Tensor:
+    """`lookup(codes) -> levels` (default: the head's row, `codebook.decode`)."""
     D = codes.shape[-1]
-    vals = codebook.decode(codes, p.levels_L)
+    vals = (lookup or (lambda c: codebook.decode(c, p.levels_L)))(codes)
     if spec.axis == "channel" and spec.static:
         return vals * p.scale_D + p.zero_D
     g = affine.group_view(vals, spec.group_size or D)

@@ -74,7 +74,7 @@ class GroupCodec:
             side["sparse_val"] = flat.gather(-1, idx).to(FP)
             y = flat.scatter(-1, idx, center.gather(-1, idx)).reshape(B, Hg, T, D)
         if spec.kind == "codebook":
-            codes, dyn = self._codebook_quantize(y)
+            codes, dyn = codec._codebook_quantize(y, spec, p, self._nearest)
         else:
             codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p)
         stored = {"codes": packing.pack(codes, self.bits)}
@@ -86,6 +86,12 @@ class GroupCodec:
         """The centroid of each token: assign [B, Hg, ...] -> [B, Hg, ..., D]."""
         heads = torch.arange(len(self.heads), device=assign.device).view(1, -1, *([1] * (assign.dim() - 2)))
         return self.centroids[heads, assign.long()]
+
+    def _levels_at(self, codes: Tensor) -> Tensor:
+        """codebook.decode per head: codes [B, Hg, ...] -> each head's levels at them."""
+        B, Hg = codes.shape[:2]
+        flat = codes.transpose(0, 1).reshape(Hg, -1).long()
+        return self.levels.gather(-1, flat).reshape(Hg, B, *codes.shape[2:]).transpose(0, 1)
 
     def _nearest(self, u: Tensor) -> Tensor:
         """codebook.nearest_level per head: u [B, Hg, ...] in the normalized domain -> uint8 codes."""
@@ -101,19 +107,6 @@ class GroupCodec:
         codes = torch.where(take_hi, hi, lo).to(torch.uint8)
         return codes.reshape(Hg, B, *u.shape[2:]).transpose(0, 1)
 
-    def _codebook_quantize(self, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """codec._codebook_quantize with a codebook row per head."""
-        spec, p = self.spec, self.enc
-        D = y.shape[-1]
-        if spec.axis == "channel" and spec.static:
-            return self._nearest(((y - p.zero_D) / p.scale_D).clamp(-1, 1)), {}
-        from calibrate.quant import affine
-
-        g = affine.group_view(y, spec.group_size or D)
-        scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(codec.FP_EPS).to(FP).float()
-        codes = self._nearest((g / scale).clamp(-1, 1))  # the zero of a codebook group is 0
-        return affine.ungroup(codes), {"scale": scale.to(FP)}
-
     # ---- decode: stored tensors [B, Hg, J, ...] -> x [B, Hg, J, T, D] ---------------------------------
     def decode(self, stored: dict[str, Tensor], T: int) -> Tensor:
         if self.bits >= 16:
@@ -122,16 +115,7 @@ class GroupCodec:
         codes = packing.unpack(stored["codes"], self.bits, D)
         dyn = {k[2:]: v for k, v in stored.items() if k.startswith("p_")}
         if spec.kind == "codebook":
-            B, Hg = codes.shape[:2]
-            flat = codes.transpose(0, 1).reshape(Hg, -1).long()
-            vals = self.levels.gather(-1, flat).reshape(Hg, B, *codes.shape[2:]).transpose(0, 1)
-            if spec.axis == "channel" and spec.static:
-                y = vals * p.scale_D + p.zero_D
-            else:
-                from calibrate.quant import affine
-
-                g = affine.group_view(vals, spec.group_size or D)
-                y = affine.ungroup(g * dyn["scale"].float())
+            y = codec._codebook_dequantize(codes, dyn, spec, p, self._levels_at)
         else:
             y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
         B, Hg, J = y.shape[:3]
