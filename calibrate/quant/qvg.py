@@ -97,9 +97,10 @@ def residual_values(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
     return (codes.float() - qmax(bits)) * scale.float()
 
 
-def sq_distances(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
+def expanded_sq_distances(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
     """max(0, (|x|^2 + |c|^2) - 2 x.c) [B, N, C]: the package's assignment distance, each of the
-    three sums in the fixed order of recipes/FORMAT.md (`ordered`), so that codes are exact."""
+    three sums in the fixed order of recipes/FORMAT.md (`ordered`), so that codes are exact. Not
+    `ordered.sq_distances`, which sums (x - c)^2: the two round differently."""
     x, c = x_BND.float(), c_BCD.float()
     d = ordered.sum_squares(x) + ordered.sum_squares(c).transpose(1, 2) - 2 * ordered.batched_dot(x, c)
     return d.clamp_min(0)
@@ -107,7 +108,7 @@ def sq_distances(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
 
 def assign(x_BND: Tensor, c_BCD: Tensor) -> Tensor:
     """Index [B, N] (int64) of each token's nearest centroid; ties to the lowest index."""
-    return sq_distances(x_BND.float(), c_BCD.float()).argmin(-1)
+    return expanded_sq_distances(x_BND.float(), c_BCD.float()).argmin(-1)
 
 
 def gather_centroids(c_BCD: Tensor, ids_BN: Tensor) -> Tensor:
