@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 from tqdm import tqdm
 
@@ -141,9 +140,9 @@ def _partial_meta(path: Path) -> dict[str, str] | None:
 def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
+    with safe_open(str(path), "pt") as f:  # one read of the file: metadata and tensors
         meta = f.metadata()
-    tensors = load_file(str(path))
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
     results = []
     for i, (family, seed, rq, rf, sq, sf) in enumerate(json.loads(meta["trajs"])):
         series = {k: tensors[f"{i}.{k}"].double() for k in SERIES}
