@@ -28,6 +28,8 @@ import torch
 
 from calibrate.quant.affine import check_bits
 
+SMALL_CODEBOOK = 16  # up to this many levels the bracket is found by comparisons, beyond by binary search
+
 
 def _check_levels(levels: torch.Tensor) -> None:
     if levels.dim() != 1 or not 1 <= levels.numel() <= 256:
@@ -61,14 +63,25 @@ def nearest_level(x_scaled: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """
     _check_levels(levels)
     x = x_scaled.to(levels.dtype)
-    num_levels = levels.numel()
-    # first index with levels[idx] >= x: the upper bracket (itself the first of any repeats)
-    idx = torch.searchsorted(levels, x.contiguous())
+    return nearest_rows(x.reshape(1, -1), levels[None]).reshape(x.shape)
+
+
+def nearest_rows(x_RN: torch.Tensor, levels_RL: torch.Tensor) -> torch.Tensor:
+    """`nearest_level` of each row of x against its own row of sorted levels (no checks: the
+    Lloyd loop and the per-head codec call it on levels they keep sorted)."""
+    num_levels = levels_RL.shape[-1]
+    # first index with levels[idx] >= x (the upper bracket, itself the first of any repeats): the
+    # number of levels below x, counted as L - #(x <= level) so that NaN lands past the end as in
+    # searchsorted; a few comparisons beat a binary search per element for small codebooks
+    if num_levels <= SMALL_CODEBOOK:
+        idx = num_levels - (x_RN.unsqueeze(-1) <= levels_RL.unsqueeze(-2)).sum(-1)
+    else:
+        idx = torch.searchsorted(levels_RL, x_RN.contiguous())
     hi = idx.clamp(max=num_levels - 1)
-    lo = (idx - 1).clamp(min=0)
-    # move lo to the first of its repeats, so that ties between equal levels pick the lowest
-    lo = torch.searchsorted(levels, levels[lo].contiguous())
-    take_hi = (levels[hi] - x).abs() < (x - levels[lo]).abs()
+    # the lower bracket, moved to the first of its repeats so that ties between equal levels pick the lowest
+    first_of = torch.searchsorted(levels_RL, levels_RL)
+    lo = first_of.gather(-1, (idx - 1).clamp(min=0))
+    take_hi = (levels_RL.gather(-1, hi) - x_RN).abs() < (x_RN - levels_RL.gather(-1, lo)).abs()
     return torch.where(take_hi, hi, lo).to(torch.uint8)
 
 
@@ -119,10 +132,11 @@ def fit_levels(
     probs = (torch.arange(num_levels, dtype=torch.float64) + 0.5) / num_levels
     at = torch.searchsorted(cum_w, probs * cum_w[-1]).clamp(max=x.numel() - 1)
     levels = x[order[at]]
+    wx = w * x
     for _ in range(max_iters):
-        codes = nearest_level(x, levels).long()
+        codes = nearest_rows(x[None], levels[None])[0].long()
         mass = torch.bincount(codes, weights=w, minlength=num_levels)
-        total = torch.bincount(codes, weights=w * x, minlength=num_levels)
+        total = torch.bincount(codes, weights=wx, minlength=num_levels)
         new = torch.where(mass > 0, total / mass.clamp_min(1e-300), levels)
         # cells are intervals of the sorted line, so their means stay sorted; sort guards rounding
         new = new.sort().values

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from calibrate import codec
 from calibrate.codec import FP
-from calibrate.quant import ordered, packing
+from calibrate.quant import codebook, ordered, packing
 from calibrate.recipe import TensorSpec
 
 
@@ -97,14 +97,7 @@ class GroupCodec:
         """codebook.nearest_level per head: u [B, Hg, ...] in the normalized domain -> uint8 codes."""
         B, Hg = u.shape[:2]
         x = u.transpose(0, 1).reshape(Hg, -1).contiguous()
-        levels = self.levels
-        L = levels.shape[-1]
-        idx = torch.searchsorted(levels, x)
-        hi = idx.clamp(max=L - 1)
-        lo = (idx - 1).clamp(min=0)
-        lo = torch.searchsorted(levels, levels.gather(-1, lo).contiguous())
-        take_hi = (levels.gather(-1, hi) - x).abs() < (x - levels.gather(-1, lo)).abs()
-        codes = torch.where(take_hi, hi, lo).to(torch.uint8)
+        codes = codebook.nearest_rows(x, self.levels)
         return codes.reshape(Hg, B, *u.shape[2:]).transpose(0, 1)
 
     # ---- decode: stored tensors [B, Hg, J, ...] -> x [B, Hg, J, T, D] ---------------------------------
