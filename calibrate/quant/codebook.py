@@ -85,6 +85,22 @@ def nearest_rows(x_RN: torch.Tensor, levels_RL: torch.Tensor) -> torch.Tensor:
     return torch.where(take_hi, hi, lo).to(torch.uint8)
 
 
+def _cell_ends(xs: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """For sorted samples xs, the number of samples whose nearest level is <= i, for i < L - 1:
+    a bisection on all boundaries at once, each probe coded by `nearest_rows` itself (so ties and
+    repeats follow its rule exactly)."""
+    n, L = xs.numel(), levels.numel()
+    cell = torch.arange(L - 1)
+    lo, hi = torch.zeros(L - 1, dtype=torch.long), torch.full((L - 1,), n, dtype=torch.long)
+    for _ in range(n.bit_length()):
+        mid = (lo + hi) // 2
+        above = nearest_rows(xs[mid.clamp(max=n - 1)][None], levels[None])[0].long() > cell
+        open_ = lo < hi
+        hi = torch.where(open_ & above, mid, hi)
+        lo = torch.where(open_ & ~above, mid + 1, lo)
+    return lo
+
+
 def decode(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """Levels at ``codes`` (normalized values; multiply by the scale to get x back)."""
     if codes.dtype != torch.uint8:
@@ -128,15 +144,20 @@ def fit_levels(
     # initial levels: weighted quantiles (i + 0.5) / L, the first sorted sample whose
     # cumulative weight reaches that fraction (torch.quantile is unweighted and size-limited)
     order = x.argsort(stable=True)
-    cum_w = w[order].cumsum(0)
+    xs, ws = x[order], w[order]
+    cum_w = ws.cumsum(0)
     probs = (torch.arange(num_levels, dtype=torch.float64) + 0.5) / num_levels
     at = torch.searchsorted(cum_w, probs * cum_w[-1]).clamp(max=x.numel() - 1)
-    levels = x[order[at]]
-    wx = w * x
+    levels = xs[at]
+    # every cell is a run of the sorted samples (the nearest level never decreases as x grows), so
+    # a Lloyd step needs only each cell's end, found by bisection, and prefix sums of w and w x
+    prefix_w = torch.cat([ws.new_zeros(1), cum_w])
+    prefix_wx = torch.cat([ws.new_zeros(1), (ws * xs).cumsum(0)])
     for _ in range(max_iters):
-        codes = nearest_rows(x[None], levels[None])[0].long()
-        mass = torch.bincount(codes, weights=w, minlength=num_levels)
-        total = torch.bincount(codes, weights=wx, minlength=num_levels)
+        ends = torch.cat([_cell_ends(xs, levels), torch.tensor([xs.numel()])])
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        mass = prefix_w[ends] - prefix_w[starts]
+        total = prefix_wx[ends] - prefix_wx[starts]
         new = torch.where(mass > 0, total / mass.clamp_min(1e-300), levels)
         # cells are intervals of the sorted line, so their means stay sorted; sort guards rounding
         new = new.sort().values
