@@ -3,10 +3,11 @@
 `ChainStore` holds one layer's K and V (both `kind="predictive"`, stacked as G = 2H heads) the
 way `chain.py` defines their stored forms, in fixed buffers allocated once:
 
-    codes   uint8 [B, M, T, C]        delta frames: every head's code fields of a token in one row
-                                      (`RowLayout.concat` of the heads' rows, C = sum of their bytes)
+    codes   uint8 [B, M, C, T]        delta frames: every head's code fields of a token in one row
+                                      (`RowLayout.concat` of the heads' rows, C = sum of their bytes),
+                                      stored byte-major (`RowLayout.unpack_columns`)
     modes   uint8 [B, M, G, ceil(T/8)] one bit per token and head (1 = inter)
-    anchor  uint8 [B, T, Ca]          the one anchor frame (the oldest window frame, once the window
+    anchor  uint8 [B, Ca, T]          the one anchor frame (the oldest window frame, once the window
                                       has slid past the sinks: chain.frame_role allows no other)
     recent  float16 [B, G, R, T, D]   the newest `recent_frames` frames, ring by frame % R
 
@@ -24,7 +25,9 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    operations, so the same codes), write its codes and modes into its slot, and re-anchor the
    frame that became the oldest;
 4. values = (unit * v) @ R^T + mean, keys rotated by their frame's rotary (pre-rotary keys),
-   handed to the attention as one block of keys per token block.
+   handed to the attention as one block of keys per token block. unit * v is one matmul of the
+   coded components with a matrix holding unit[d] where component d sits: each output is one
+   product and exact zeros, so it equals the reference's elementwise product bit for bit.
 
 The integer states are those of `chain.ChainCodec` (tests hold them equal); values agree to
 float rounding. Bytes held (`nbytes`) count the forms each kept frame is in, which is what
@@ -100,10 +103,11 @@ class ChainStore:
         pick = lambda t: torch.where(self.comp_valid, torch.gather(t, 1, self.comp), torch.zeros((), dtype=t.dtype, device=device))
         self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
         self.offset_c = pick(self.offset).float()
-        # x = (unit * v) @ R^T over the coded components: M[g, k, e] = unit[g, d_k] R[g, e, d_k]
-        R_t = self.rotation.transpose(-1, -2)  # [G, D(d), D(e)]
-        unit_rot = torch.gather(R_t * self.unit[:, :, None], 1, self.comp[:, :, None].expand(-1, -1, self.D))
-        self.unit_rot = unit_rot * self.comp_valid[:, :, None]
+        self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
+        # unit * v from the coded components: spread[g, k, d] = unit[g, d] where d is coded component k
+        spread = torch.zeros(self.G, Dc + 1, self.D, device=device)
+        self.spread = spread.scatter_(1, self.pos[:, None, :], self.unit[:, None, :])[:, :Dc].contiguous()
+        self.rotation_t = self.rotation.transpose(-1, -2)
         self.pre_rotary, self.temporal = pre_rotary, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
         self.R = policy.recent_frames
@@ -126,9 +130,9 @@ class ChainStore:
             return
         T, G, D, dev = self.T, self.G, self.D, self.device
         self.B = B
-        self.codes = torch.zeros(B, self.M, T, self.codes_layout.nbytes, dtype=torch.uint8, device=dev)
+        self.codes = torch.zeros(B, self.M, self.codes_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.modes = torch.zeros(B, self.M, G, -(-T // 8), dtype=torch.uint8, device=dev)
-        self.anchor = torch.zeros(B, T, self.anchor_layout.nbytes, dtype=torch.uint8, device=dev)
+        self.anchor = torch.zeros(B, self.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
 
     def slot(self, f: int) -> int:
@@ -164,28 +168,28 @@ class ChainStore:
         slots = self._index([self.slot(f) for f in chain])
         a = self.anchor_of(chain)
         t0, t1 = tokens.start, tokens.stop
-        codes = self.codes[:, :, tokens].index_select(1, slots)  # [B, J, Tb, C]
+        codes = self.codes[..., tokens].index_select(1, slots)  # [B, J, C, Tb]
         modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
-        anchor = self.anchor[:, tokens] if a is not None else None
+        anchor = self.anchor[..., tokens] if a is not None else None  # [B, Ca, Tb]
         return self._scan_core(codes, modes, anchor, chain.index(a) if a is not None else -1,
                                len(chain) > SCAN_MATMUL_FRAMES)
 
     def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
         """`scan` on the packed forms of the chain frames (tensors in, tensors out: compilable)."""
-        c = self.codes_c.unpack(codes)  # [B, J, Tb, G*Dc]
-        B, J, Tb = c.shape[:3]
+        c = self.codes_c.unpack_columns(codes)  # [B, J, G*Dc, Tb]
+        B, J, _, Tb = c.shape
         dtype = torch.float32 if J < 256 else torch.float64
-        c = c.view(B, J, Tb, self.G, self.Dc).permute(0, 2, 3, 1, 4).to(dtype)  # [B, Tb, G, J, Dc]
-        k2 = c * 2 - self.n_c
+        c = c.view(B, J, self.G, self.Dc, Tb).permute(0, 4, 2, 1, 3)  # [B, Tb, G, J, Dc]
+        k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
         bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
         reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
         if anchor is not None:
             reset = reset.clone()
             reset[..., j] = True
         resetf = reset.to(dtype).unsqueeze(-1)
-        contrib = k2 * (self.sp_c + resetf * (self.si_c - self.sp_c))
+        contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
         if anchor is not None:
-            fields = self.anchor_c.unpack(anchor).view(B, Tb, self.G, self.Dc)
+            fields = self.anchor_c.unpack_columns(anchor).view(B, self.G, self.Dc, Tb).permute(0, 3, 1, 2)
             contrib[..., j, :] = fields.to(dtype) - self.offset_c
         if long:  # long chains: one running sum (quant/chainscan.py), O(J)
             return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
@@ -235,12 +239,10 @@ class ChainStore:
     def _values(self, states: Tensor) -> Tensor:
         # the reference's own steps, (unit * v) @ R^T + mean over every component, so the values
         # (not only the states) come out bitwise as the reference runtime's
-        ext = torch.nn.functional.pad(states.float().permute(0, 2, 3, 1, 4), (0, 1))  # [B, G, J, Tb, Dc + 1]
-        B, G, J, Tb = ext.shape[:4]
-        D = self.D
-        v = torch.gather(ext, -1, self.pos[None, :, None, None, :].expand(B, G, J, Tb, D))  # 0 where uncoded
-        x = (self.unit[:, None, :] * v.reshape(B, G, J * Tb, D)) @ self.rotation.transpose(-1, -2) + self.mean[:, None, :]
-        return x.view(B, G, J, Tb, D)
+        B, Tb, G, J, Dc = states.shape
+        s = states.float().permute(0, 2, 3, 1, 4).reshape(B, G, J * Tb, Dc)
+        x = (s @ self.spread) @ self.rotation_t + self.mean[:, None, :]  # unit * v (exact, see above), then R^T
+        return x.view(B, G, J, Tb, self.D)
 
     # ---- a step -----------------------------------------------------------------------------
     @property
@@ -350,7 +352,7 @@ class ChainStore:
             inter, c, v_e = self.encode(x_e, v_prev)
             slot = self.slot(e)
             B, G, Tb, D = c.shape
-            self.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, tokens])
+            self.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
             bits = inter if Tb % 8 == 0 else torch.nn.functional.pad(inter, (0, -Tb % 8))
             byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.bit_shift).sum(-1, dtype=torch.int32)
             t0 = tokens.start // 8
@@ -364,7 +366,7 @@ class ChainStore:
                 v_a = self.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
             B, Tb = v_a.shape[:2]
             fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
-            self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=self.anchor[:, tokens])
+            self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=self.anchor[..., tokens].transpose(-1, -2))
         return v_e
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin):

@@ -77,11 +77,16 @@ class RowLayout:
 
     def unpack(self, packed: Tensor) -> Tensor:
         """uint8 [..., nbytes] -> int32 [..., num_fields]."""
+        return self.unpack_columns(packed.unsqueeze(-1)).squeeze(-1)
+
+    def unpack_columns(self, packed: Tensor) -> Tensor:
+        """uint8 [..., nbytes, N] (N rows stored byte-major) -> int32 [..., num_fields, N]: selecting
+        fields along a leading axis copies runs of N values, where the last axis would gather single ones."""
         if self.nbytes == 0:
-            return torch.zeros(*packed.shape[:-1], self.num_fields, dtype=torch.int32, device=packed.device)
-        b = torch.nn.functional.pad(packed.to(torch.int32), (0, 2))
-        word = b[..., :-2] | (b[..., 1:-1] << 8) | (b[..., 2:] << 16)  # the 24 bits from each byte on
-        return (word.index_select(-1, self.first) >> self.shift) & self.mask
+            return torch.zeros(*packed.shape[:-2], self.num_fields, packed.shape[-1], dtype=torch.int32, device=packed.device)
+        b = torch.nn.functional.pad(packed.to(torch.int32), (0, 0, 0, 2))
+        word = b[..., :-2, :] | (b[..., 1:-1, :] << 8) | (b[..., 2:, :] << 16)  # the 24 bits from each byte on
+        return (word.index_select(-2, self.first) >> self.shift[:, None]) & self.mask[:, None]
 
     def pack(self, values: Tensor, out: Tensor | None = None) -> Tensor:
         """Non-negative integers [..., num_fields] (field i < 2^w_i) -> uint8 [..., nbytes], into `out` if given."""
