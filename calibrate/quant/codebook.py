@@ -86,18 +86,26 @@ def nearest_rows(x_RN: torch.Tensor, levels_RL: torch.Tensor) -> torch.Tensor:
 
 
 def _cell_ends(xs: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """For sorted samples xs, the number of samples whose nearest level is <= i, for i < L - 1:
-    a bisection on all boundaries at once, each probe coded by `nearest_rows` itself (so ties and
-    repeats follow its rule exactly)."""
+    """For sorted samples xs, the number of samples whose nearest level is <= i, for i < L - 1.
+
+    Each end is bracketed by the samples within a hair of the midpoint between levels i and i + 1,
+    checked with `nearest_rows` itself at both sides of the bracket (a repeated level can put the
+    end elsewhere: then the bracket is all samples); a bisection inside the brackets, every probe
+    coded by `nearest_rows`, finds the ends exactly (ties and repeats follow its rule)."""
     n, L = xs.numel(), levels.numel()
     cell = torch.arange(L - 1)
-    lo, hi = torch.zeros(L - 1, dtype=torch.long), torch.full((L - 1,), n, dtype=torch.long)
-    for _ in range(n.bit_length()):
-        mid = (lo + hi) // 2
-        above = nearest_rows(xs[mid.clamp(max=n - 1)][None], levels[None])[0].long() > cell
+    above = lambda at: nearest_rows(xs[at.clamp(0, n - 1)][None], levels[None])[0].long() > cell
+    mid = (levels[:-1] + levels[1:]) / 2
+    hair = 1e-9 * (mid.abs() + 1)
+    lo, hi = torch.searchsorted(xs, mid - hair), torch.searchsorted(xs, mid + hair, right=True)
+    brackets = ((lo == 0) | ~above(lo - 1)) & ((hi == n) | above(hi))
+    lo, hi = torch.where(brackets, lo, 0), torch.where(brackets, hi, n)
+    for _ in range(int((hi - lo).max()).bit_length()):
+        mid_at = (lo + hi) // 2
+        up = above(mid_at)
         open_ = lo < hi
-        hi = torch.where(open_ & above, mid, hi)
-        lo = torch.where(open_ & ~above, mid + 1, lo)
+        hi = torch.where(open_ & up, mid_at, hi)
+        lo = torch.where(open_ & ~up, mid_at + 1, lo)
     return lo
 
 
