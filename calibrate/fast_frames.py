@@ -1,4 +1,4 @@
-"""The fast runtime's storage of per-frame codes (`kind` uniform or codebook): one ring per class.
+"""The fast runtime's storage of per-frame codes (`kind` uniform, codebook or prq): one ring per class.
 
 A frame's K/V of one layer are held, per the token policy (memory.final_bits), at the width of
 its class: `recent` (the newest `recent_frames`, at `recent_bits`), `sink`, `key` (key frames)
@@ -8,6 +8,12 @@ same width, same clip ratio, compensator or not), allocated at the first frame. 
 slot in its class's pool when it is coded (at once, or when it leaves the recent window, from
 its float16 copy) and gives it back when evicted; the capacity of each pool is the most frames
 of its class a cache with this window ever holds, so a steady-state step allocates nothing.
+
+Kind prq with stages (Quant VideoGen) codes a frame against its span's centroids: the span's
+first frame coded below 16 bits fits them (`GroupCodec.fit_span_state`, the package's k-means for
+every head at once), they live in a slot of `span_states` while a kept frame of the span uses them,
+and decoding picks each frame's span state. A span shared by frames of several precision classes
+is left to the reference runtime (`problem`).
 
 Attention reads a pool as blocks of its live slots, every group decoded at once
 (`GroupCodec.decode`), heads put back in order; the key-noise logit correction applies to the
@@ -20,7 +26,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import kept_frames, rotate_pairs
-from calibrate.codec import frame_nbytes
+from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
 from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
@@ -30,12 +36,17 @@ from calibrate.recipe import TensorSpec
 CLASSES = ("recent", "sink", "key", "main")
 
 
-def problem(spec: TensorSpec, D: int) -> str | None:
+def problem(spec: TensorSpec, D: int, policy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
-    if spec.kind not in ("uniform", "codebook"):
+    if spec.kind not in ("uniform", "codebook", "prq"):
         return f"kind '{spec.kind}'"
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
+    if span_of(spec, 0) is not None and any(
+            count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
+                                                    (policy.recent_frames, policy.recent_bits),
+                                                    (policy.keyframe_interval, policy.keyframe_bits))):
+        return "kind 'prq' with span centroids and sink, recent or key frames below 16 bits"
     return None
 
 
@@ -104,6 +115,11 @@ class FrameStore:
         self.token_block = self.T
         self.B: int | None = None
         self._index = IndexTensors(self.device)
+        # kind prq with stages: per kind, the span states [B, H, slots, stages, C, D] of the spans a
+        # kept frame below 16 bits uses (only main frames: `problem`), fitted on a span's first frame
+        self.spanned = [kind for kind in "kv" if span_of(self.specs[kind], 0) is not None]
+        self.span_states: dict[str, Tensor] = {}
+        self.span_slot: dict[str, dict[int, int]] = {kind: {} for kind in self.spanned}
 
     def _capacities(self) -> dict[str, int]:
         """The most frames of each class held at once (simulated over a few key-frame periods)."""
@@ -118,6 +134,14 @@ class FrameStore:
         if pol.recent_frames:
             most["recent"] = pol.recent_frames
         return most
+
+    def _span_capacity(self, kind: str) -> int:
+        """The most spans in use at once: those of the main frames kept after a step, and the span of
+        the frame the step writes before the evicted frames' spans are dropped."""
+        spec, pol, W, S = self.specs[kind], self.policy, self.window, self.sink
+        horizon = S + W + pol.recent_frames + 3 * spec.prq_span_frames + 4
+        return max(len({span_of(spec, f) for f in kept_frames(n, W, S) if frame_class(pol, f, n + 1) == "main"}
+                       | {span_of(spec, n)}) for n in range(horizon))
 
     def _groups(self, spec: TensorSpec, tensors: dict, widths: list[int]) -> list[GroupCodec]:
         """Heads stored alike: same width, same clip, compensator or not (codec.head_params)."""
@@ -141,36 +165,71 @@ class FrameStore:
             for kind, x in (("k", x_k), ("v", x_v)):
                 bufs = []
                 for g in self.groups[name][kind]:
-                    sample = g.encode(x[:, g.heads])
+                    state = None
+                    if kind in self.spanned and name == "main":  # shapes only: a state of zeros
+                        spec = self.specs[kind]
+                        state = x.new_zeros(B, len(g.heads), spec.prq_stages, spec.prq_centroids, self.D, dtype=torch.float16)
+                    sample = g.encode(x[:, g.heads], state)
                     bufs.append({key: torch.zeros(t.shape[0], t.shape[1], pool.capacity, *t.shape[2:], dtype=t.dtype,
                                                   device=t.device) for key, t in sample.items()})
                     pool.slot_bytes += sum(t.numel() * t.element_size() for t in sample.values())
                 pool.buffers[kind] = bufs
+        for kind in self.spanned:
+            spec = self.specs[kind]
+            self.span_states[kind] = torch.zeros(B, self.H, self._span_capacity(kind), spec.prq_stages, spec.prq_centroids,
+                                                 self.D, dtype=torch.float16, device=self.device)
 
-    def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor) -> None:
-        """Code a frame into `slot` of a pool; per-token codes a token block at a time (small temporaries)."""
+    def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
+        """Code frame `index` into `slot` of a pool; per-token codes a token block at a time (small
+        temporaries); a span's first frame coded below 16 bits fits the span's state first."""
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
-            by_tokens = self.specs[kind].axis == "token" and self.specs[kind].sparse_fraction == 0
+            spec = self.specs[kind]
+            spanned = kind in self.spanned and name == "main"
+            by_tokens = spec.axis == "token" and spec.sparse_fraction == 0 and not spanned
             step = self.token_block if by_tokens else self.T
             if step == self.T and not isinstance(x, Tensor):
-                x = x.full()  # per-channel ranges need the whole frame
+                x = x.full()  # per-channel ranges and span centroids need the whole frame
+            heads = lambda t, g: t if len(g.heads) == self.H else t[:, g.heads]
+            state = None
+            if spanned:
+                span, slots = span_of(spec, index), self.span_slot[kind]
+                if span not in slots:
+                    slots[span] = min(set(range(self.span_states[kind].shape[2])) - set(slots.values()))
+                    for g in self.groups[name][kind]:
+                        if g.bits < 16:
+                            self.span_states[kind][:, g.heads, slots[span]] = g.fit_span_state(heads(x, g))
+                state = self.span_states[kind][:, :, slots[span]]
             for t0 in range(0, self.T, step):
                 tokens = slice(t0, t0 + step) if step < self.T else slice(None)
                 xt = token_block(x, tokens) if step < self.T else x
                 for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
-                    for key, t in g.encode(xt if len(g.heads) == self.H else xt[:, g.heads]).items():
+                    for key, t in g.encode(heads(xt, g), None if state is None else heads(state, g)).items():
                         bufs[key][:, :, slot, tokens] = t
 
-    def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
+    def _release_spans(self) -> None:
+        """Drop the span states no kept main frame uses any more (their slots take new spans)."""
+        main = self.pools.get("main")
+        for kind in self.spanned:
+            live = {span_of(self.specs[kind], f) for f in (main.frame_slot if main else ())}
+            for span in [s for s in self.span_slot[kind] if s not in live]:
+                del self.span_slot[kind][span]
+
+    def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None),
+                frames: list[int] | None = None) -> Tensor:
         """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`: every stored tensor with a token
-        axis is cut to them; per-channel parameters are not), every head."""
+        axis is cut to them; per-channel parameters are not), every head; `frames` (those slots'
+        frames) pick the span states of kind prq."""
         pool = self.pools[name]
         out = None
         cut = tokens != slice(None)
+        state = None
+        if kind in self.spanned and name == "main":
+            spans = self._index([self.span_slot[kind][span_of(self.specs[kind], f)] for f in frames])
+            state = self.span_states[kind].index_select(2, spans)  # [B, H, J, stages, C, D]
         for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
             x = g.decode({key: (t[:, :, :, tokens] if cut and t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
-                          for key, t in bufs.items()}, self.T)
+                          for key, t in bufs.items()}, self.T, None if state is None else state[:, g.heads])
             if len(self.groups[name][kind]) == 1:
                 return x
             if out is None:
@@ -191,7 +250,7 @@ class FrameStore:
         frames = max(1, budget // (per_token * self.T))
         self.frame_block = None if frames >= most else frames
         self.token_block = self.T
-        if frames == 1 and not any(spec.sparse_fraction > 0 for spec in self.specs.values()):
+        if frames == 1 and not any(spec.sparse_fraction > 0 for spec in self.specs.values()) and not self.spanned:
             self.frame_block = most  # every frame of a pool, a few tokens of each at a time
             tokens = budget // (per_token * most)
             self.token_block = min(self.T, max(8, tokens - tokens % 8))
@@ -216,9 +275,10 @@ class FrameStore:
                 {kind: self._decode("recent", kind, self._index([slot]))[:, :, 0] for kind in "kv"}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
-            self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"])
+            self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
         name = frame_class(pol, index, n + 1)
-        self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD)
+        self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD, index)
+        self._release_spans()
         if decode:
             yield from self.history(n + 1, rope, exclude=index)
 
@@ -239,7 +299,7 @@ class FrameStore:
 
     def _block(self, name: str, frames: list[int], rope, tokens: slice = slice(None)):
         slots = self._index([self.pools[name].frame_slot[f] for f in frames])
-        k, v = self._decode(name, "k", slots, tokens), self._decode(name, "v", slots, tokens)
+        k, v = self._decode(name, "k", slots, tokens, frames), self._decode(name, "v", slots, tokens, frames)
         if self.pre_rotary:
             cos, sin = rope(frames)
             k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
@@ -289,11 +349,16 @@ class FrameStore:
 
     # ---- bytes ----------------------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:
-        return sum(len(pool.frame_slot) * pool.slot_bytes for pool in self.pools.values())
+        spans = 0
+        for kind in self.spanned:  # one state per live span and head coded below 16 bits
+            coded = sum(len(g.heads) for g in self.groups["main"][kind] if g.bits < 16)
+            spans += len(self.span_slot[kind]) * coded * span_state_nbytes(self.specs[kind], self.B or 0, self.D)
+        return spans + sum(len(pool.frame_slot) * pool.slot_bytes for pool in self.pools.values())
 
     def capacity_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pool in self.pools.values() for bufs in pool.buffers.values()
-                   for b in bufs for t in b.values())
+        return (sum(t.numel() * t.element_size() for pool in self.pools.values() for bufs in pool.buffers.values()
+                    for b in bufs for t in b.values())
+                + sum(t.numel() * t.element_size() for t in self.span_states.values()))
 
 
 __all__ = ["FrameStore", "frame_class", "frame_nbytes", "problem"]

@@ -66,7 +66,7 @@ def fast_path_problem(recipe: Recipe) -> str | None:
                 return f"layer {i}: predictive K and V with different 'temporal'"
             continue
         for kind, spec in (("k", pair.k), ("v", pair.v)):
-            problem = fast_frames.problem(spec, D)
+            problem = fast_frames.problem(spec, D, recipe.scheme.policy)
             if problem:
                 return f"layer {i} {kind}: {problem}"
     return None

@@ -23,6 +23,7 @@ from calibrate.recipe import LayerSpec, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.runtime import QuantizedKVCache
 from calibrate.schemes import build_baseline
 
+from test_peers import _toy_peer_recipes
 from test_runtime import CACHE_RECIPES, POLICY, SPECS
 from test_runtime_predictive import predictive_recipe, sequence
 from toys import B, D, H, INFO, kv_frames, toy_recipe
@@ -99,7 +100,10 @@ def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> di
     raise KeyError(f)
 
 
-FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()}}
+FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
+                 # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
+                 # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
+                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits")}}
 
 
 @pytest.mark.parametrize("name", FRAME_RECIPES)
@@ -144,7 +148,7 @@ def test_logit_correction_and_shadow_reads():
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2"])
 def test_baselines_roll_out_like_the_reference(name, tiny_world):
     from calibrate.adapters import TinyWorldAdapter
     from calibrate.world.trajectories import make_trajectories
@@ -271,6 +275,13 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
     assert isinstance(build_cache(predictive_recipe(), 4, 1, "cpu", "reference"), QuantizedKVCache)
     with pytest.raises(ValueError, match="eval.runtime"):
         build_cache(predictive_recipe(), 4, 1, "cpu", "turbo")
+
+
+def test_span_centroids_with_coded_sink_recent_or_key_frames_have_no_fast_path():
+    """A prq span shared by frames of several classes is left to the reference runtime, by name."""
+    assert "kind 'prq' with span centroids" in fast_path_problem(_toy_peer_recipes()["prq_keyframes"])
+    assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
+    assert "kind 'turbo_prod'" in fast_path_problem(_toy_peer_recipes()["turbo"])
 
 
 def test_frames_of_another_shape_are_refused():

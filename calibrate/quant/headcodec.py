@@ -23,7 +23,7 @@ from torch import Tensor
 
 from calibrate import codec
 from calibrate.codec import FP
-from calibrate.quant import codebook, ordered, packing
+from calibrate.quant import codebook, ordered, packing, qvg
 from calibrate.recipe import TensorSpec
 
 
@@ -48,9 +48,43 @@ class GroupCodec:
                            zero_D=None if zero is None else zero[:, None, None])
 
     # ---- encode: x [B, Hg, T, D] -> stored tensors [B, Hg, ...] ---------------------------------------
-    def encode(self, x: Tensor) -> dict[str, Tensor]:
+    def encode(self, x: Tensor, span_state: Tensor | None = None) -> dict[str, Tensor]:
+        """Stored tensors of x; kind prq with stages codes against `span_state` [B, Hg, stages, C, D]
+        (the span's centroids, `fit_span_state`)."""
         if self.bits >= 16:
             return {"fp16": x.to(FP)}
+        spec, p = self.spec, self.enc
+        y, side = self._prepare(x)
+        if spec.kind == "codebook":
+            codes, dyn = codec._codebook_quantize(y, spec, p, self._nearest)
+        elif codec.span_of(spec, 0) is not None:  # prq: the package's functions take one batch axis
+            B, Hg, T, D = y.shape
+            codes, dyn = codec.CODE_KINDS["prq"].quantize(y.reshape(B * Hg, T, D), spec, self._with_state(span_state))
+            codes = codes.view(B, Hg, T, D)
+            dyn = {k: v.reshape(B, Hg, *v.shape[1:]) for k, v in dyn.items()}
+        else:
+            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p)
+        stored = {"codes": packing.pack(codes, self.bits)}
+        stored.update({f"p_{k}": v for k, v in dyn.items()})
+        stored.update(side)
+        return stored
+
+    def fit_span_state(self, x: Tensor) -> Tensor:
+        """codec.fit_span_state for every head of the group: x [B, Hg, T, D] -> [B, Hg, stages, C, D] float16."""
+        y, _ = self._prepare(x)
+        B, Hg, T, D = y.shape
+        spec = self.spec
+        state = qvg.fit_centroids(y.reshape(B * Hg, T, D), spec.prq_stages, spec.prq_centroids, spec.prq_kmeans_iters)
+        return state.view(B, Hg, *state.shape[1:])
+
+    def _with_state(self, state: Tensor | None) -> codec.HeadParams:
+        """The group's parameters with a span state [..., stages, C, D] flattened to one batch axis."""
+        if state is None:
+            raise ValueError("kind 'prq' codes a frame against its span's centroids: none given")
+        return replace(self.enc, span_centroids_BSCD=state.reshape(-1, *state.shape[-3:]))
+
+    def _prepare(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """codec._prepare for the group (steps 1-4): y [B, Hg, T, D] and the side tensors to store."""
         spec, p = self.spec, self.enc
         y = x.float()
         side: dict[str, Tensor] = {}
@@ -73,14 +107,7 @@ class GroupCodec:
             side["sparse_idx"] = idx.to(torch.int16 if T * D < 2**15 else torch.int32)
             side["sparse_val"] = flat.gather(-1, idx).to(FP)
             y = flat.scatter(-1, idx, center.gather(-1, idx)).reshape(B, Hg, T, D)
-        if spec.kind == "codebook":
-            codes, dyn = codec._codebook_quantize(y, spec, p, self._nearest)
-        else:
-            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p)
-        stored = {"codes": packing.pack(codes, self.bits)}
-        stored.update({f"p_{k}": v for k, v in dyn.items()})
-        stored.update(side)
-        return stored
+        return y, side
 
     def _centroid(self, assign: Tensor) -> Tensor:
         """The centroid of each token: assign [B, Hg, ...] -> [B, Hg, ..., D]."""
@@ -101,7 +128,9 @@ class GroupCodec:
         return codes.reshape(Hg, B, *u.shape[2:]).transpose(0, 1)
 
     # ---- decode: stored tensors [B, Hg, J, ...] -> x [B, Hg, J, T, D] ---------------------------------
-    def decode(self, stored: dict[str, Tensor], T: int) -> Tensor:
+    def decode(self, stored: dict[str, Tensor], T: int, span_state: Tensor | None = None) -> Tensor:
+        """x [B, Hg, J, T, D] of stored tensors [B, Hg, J, ...]; kind prq with stages takes each
+        frame's span state [B, Hg, J, stages, C, D]."""
         if self.bits >= 16:
             return stored["fp16"].float()
         spec, p, D = self.spec, self.dec, self.D
@@ -109,6 +138,12 @@ class GroupCodec:
         dyn = {k[2:]: v for k, v in stored.items() if k.startswith("p_")}
         if spec.kind == "codebook":
             y = codec._codebook_dequantize(codes, dyn, spec, p, self._levels_at)
+        elif codec.span_of(spec, 0) is not None:
+            lead = codes.shape[:3]
+            flat = lambda t: t.reshape(-1, *t.shape[3:])
+            y = codec.CODE_KINDS["prq"].dequantize(flat(codes), {k: flat(v) for k, v in dyn.items()}, spec,
+                                                   self._with_state(span_state))
+            y = y.view(*lead, *y.shape[1:])
         else:
             y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
         B, Hg, J = y.shape[:3]
