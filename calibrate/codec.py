@@ -151,17 +151,23 @@ def _uniform_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tenso
     if spec.axis == "channel" and spec.static:
         return affine.quantize(y, p.scale_D, p.zero_D, p.bits, spec.symmetric), {}
     if spec.axis == "channel":
-        scale, zero = affine.compute_params(y, p.bits, symmetric=spec.symmetric, reduce_dims=(-2,), clip_ratio=p.clip,
-                                            eps=FP_EPS)
-        scale, zero = scale.to(FP).float(), zero.to(FP).float()
-        dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
-        return affine.quantize(y, scale, zero, p.bits, spec.symmetric), dyn
+        return channel_quantize(y, spec, p, affine.range_stats(y, symmetric=spec.symmetric, reduce_dims=(-2,)))
     g = affine.group_view(y, spec.group_size or D)
     scale, zero = affine.compute_params(g, p.bits, symmetric=spec.symmetric, reduce_dims=(-1,), clip_ratio=p.clip,
                                         eps=FP_EPS)
     scale, zero = scale.to(FP).float(), zero.to(FP).float()
     dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
     return affine.ungroup(affine.quantize(g, scale, zero, p.bits, spec.symmetric)), dyn
+
+
+def channel_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, stats: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Kind uniform, dynamic axis "channel": the frame's per-channel ranges `stats` (affine.range_stats
+    over its tokens, which a runtime may gather a token block at a time) -> codes of y and the
+    float16 scale (and minimum)."""
+    scale, zero = affine.params_from_stats(stats, p.bits, symmetric=spec.symmetric, clip_ratio=p.clip, eps=FP_EPS)
+    scale, zero = scale.to(FP).float(), zero.to(FP).float()
+    dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
+    return affine.quantize(y, scale, zero, p.bits, spec.symmetric), dyn
 
 
 def _uniform_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:

@@ -113,6 +113,7 @@ class FrameStore:
                                              device=self.device) for name, p in self.pools.items()}
         self.frame_block = frame_block
         self.token_block = self.T
+        self.write_block = self.T  # tokens of a frame coded at a time (`plan`)
         self.B: int | None = None
         self._index = IndexTensors(self.device)
         # kind prq with stages: per kind, the span states [B, H, slots, stages, C, D] of the spans a
@@ -180,14 +181,17 @@ class FrameStore:
                                                  self.D, dtype=torch.float16, device=self.device)
 
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
-        """Code frame `index` into `slot` of a pool; per-token codes a token block at a time (small
-        temporaries); a span's first frame coded below 16 bits fits the span's state first."""
+        """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
+        codes at once, dynamic per-channel ranges (kind uniform) gathered over the blocks first. Dense-
+        and-sparse values, other per-channel kinds and span centroids see the whole frame; a span's
+        first frame coded below 16 bits fits the span's state first."""
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
             spec = self.specs[kind]
             spanned = kind in self.spanned and name == "main"
-            by_tokens = spec.axis == "token" and spec.sparse_fraction == 0 and not spanned
-            step = self.token_block if by_tokens else self.T
+            ranged = spec.axis == "channel" and not spec.static
+            by_tokens = spec.sparse_fraction == 0 and not spanned and (not ranged or spec.kind == "uniform")
+            step = self.write_block if by_tokens else self.T
             if step == self.T and not isinstance(x, Tensor):
                 x = x.full()  # per-channel ranges and span centroids need the whole frame
             heads = lambda t, g: t if len(g.heads) == self.H else t[:, g.heads]
@@ -200,12 +204,23 @@ class FrameStore:
                         if g.bits < 16:
                             self.span_states[kind][:, g.heads, slots[span]] = g.fit_span_state(heads(x, g))
                 state = self.span_states[kind][:, :, slots[span]]
-            for t0 in range(0, self.T, step):
-                tokens = slice(t0, t0 + step) if step < self.T else slice(None)
-                xt = token_block(x, tokens) if step < self.T else x
-                for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
-                    for key, t in g.encode(heads(xt, g), None if state is None else heads(state, g)).items():
-                        bufs[key][:, :, slot, tokens] = t
+            blocks = [slice(t0, t0 + step) for t0 in range(0, self.T, step)] if step < self.T else [slice(None)]
+            groups = self.groups[name][kind]
+            stats = [None] * len(groups)
+            if ranged and by_tokens:  # the frame's per-channel ranges first, block by block (exact)
+                for tokens in blocks:
+                    xt = token_block(x, tokens)
+                    stats = [g.channel_stats(heads(xt, g)) if s is None else torch.maximum(s, g.channel_stats(heads(xt, g)))
+                             for g, s in zip(groups, stats)]
+            for tokens in blocks:
+                xt = token_block(x, tokens)
+                for g, bufs, s in zip(groups, pool.buffers[kind], stats):
+                    for key, t in g.encode(heads(xt, g), None if state is None else heads(state, g), s).items():
+                        target = bufs[key][:, :, slot]
+                        if target.dim() > 2 and target.shape[2] == self.T:  # a token axis
+                            target[:, :, tokens] = t
+                        else:  # the frame's per-channel parameters
+                            target.copy_(t)
 
     def _release_spans(self) -> None:
         """Drop the span states no kept main frame uses any more (their slots take new spans)."""
@@ -244,12 +259,14 @@ class FrameStore:
 
     def plan(self, B: int, budget: int) -> int:
         """Set the frames (and, without dense-and-sparse, tokens) per block from a workspace
-        `budget` in bytes; returns the keys of one block."""
+        `budget` in bytes, and the tokens of a frame coded at a time; returns the keys of one block."""
         per_token = B * self.H * self.D * 4 * 4  # decoded K and V and their intermediates
         most = self.sink + self.window
         frames = max(1, budget // (per_token * self.T))
         self.frame_block = None if frames >= most else frames
         self.token_block = self.T
+        coded = budget // per_token  # a frame is coded a block of tokens at a time, one frame's temporaries
+        self.write_block = min(self.T, max(8, coded - coded % 8))
         if frames == 1 and not any(spec.sparse_fraction > 0 for spec in self.specs.values()) and not self.spanned:
             self.frame_block = most  # every frame of a pool, a few tokens of each at a time
             tokens = budget // (per_token * most)
@@ -271,7 +288,7 @@ class FrameStore:
         if R and leaving >= 0 and leaving in post and leaving in self.pools["recent"].frame_slot:
             slot = self.pools["recent"].frame_slot[leaving]
             bufs = self.pools["recent"].buffers
-            x = {kind: bufs[kind][0]["fp16"][:, :, slot].float() for kind in "kv"} if self._recent_fp16() else \
+            x = {kind: bufs[kind][0]["fp16"][:, :, slot] for kind in "kv"} if self._recent_fp16() else \
                 {kind: self._decode("recent", kind, self._index([slot]))[:, :, 0] for kind in "kv"}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)

@@ -316,12 +316,12 @@ def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
 
 @pytest.mark.parametrize("name", ["naive2", "kivi2", "quarot2"])
 def test_per_frame_token_blocks_equal_the_reference(name):
-    """A small workspace: frames decoded and coded 8 tokens at a time (per-token codes; per-channel
-    ranges still see the whole frame), queries in chunks, the fresh frame's keys rotated per block."""
+    """A small workspace: frames decoded and coded 8 tokens at a time (per-channel ranges gathered
+    over the blocks first), queries in chunks, the fresh frame's keys rotated per block."""
     info = INFO.__class__("toy16", 2, 2, 16, T16, "f" * 16)
     recipe = build_baseline(name, info)
     ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
-    fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1, workspace_bytes=12_000)
+    fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1, workspace_bytes=6_000)
     g = torch.Generator().manual_seed(6)
     for f in range(9):
         q, k, v = (torch.randn(1, 2, T16, 16, generator=g) for _ in range(3))
@@ -330,7 +330,13 @@ def test_per_frame_token_blocks_equal_the_reference(name):
             torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
         assert fast.nbytes() == ref.nbytes()
-    assert fast.stores[0].token_block == 8 and not fast.stores[0].single_block
+        for layer in range(2):  # stored codes and parameters: bitwise
+            for f in ref.frame_indices(layer):
+                for kind in "kv":
+                    for h in range(2):
+                        mine, theirs = fast_record(fast, layer, kind, f, h), ref._frames[layer][f][kind][h]
+                        assert all(torch.equal(mine[key], theirs[key]) for key in theirs), (f, layer, kind, h)
+    assert fast.stores[0].token_block == 8 and fast.stores[0].write_block == 8 and not fast.stores[0].single_block
 
 
 def test_eval_runtime_is_checked_by_the_config():

@@ -120,16 +120,30 @@ def compute_params(
     if not dims:
         raise ValueError("reduce_dims must name at least one axis")
     x = x.to(_param_dtype(x))
+    return params_from_stats(range_stats(x, symmetric=symmetric, reduce_dims=dims), bits, symmetric=symmetric,
+                             clip_ratio=clip_ratio, eps=eps)
+
+
+def range_stats(x: torch.Tensor, *, symmetric: bool, reduce_dims: tuple[int, ...]) -> torch.Tensor:
+    """What `compute_params` needs of x, kept dims size 1: [-min, max] stacked on a new first axis
+    (absmax alone if symmetric). Stats of parts of x merge into those of x by `torch.maximum`,
+    exactly (a frame's channel ranges gathered a token block at a time)."""
+    if symmetric:
+        return x.abs().amax(dim=reduce_dims, keepdim=True).unsqueeze(0)
+    return torch.stack([-x.amin(dim=reduce_dims, keepdim=True), x.amax(dim=reduce_dims, keepdim=True)])
+
+
+def params_from_stats(stats: torch.Tensor, bits: int, *, symmetric: bool, clip_ratio: float | torch.Tensor = 1.0,
+                      eps: float = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_params` from `range_stats` (scale, zero_point)."""
     # the ratio is a value of the parameters' dtype (a JSON clip becomes float32 first): 1 - r
     # formed in Python's float64 and rounded afterwards differs by an ulp, which flips codes
     if not isinstance(clip_ratio, torch.Tensor):
-        clip_ratio = torch.tensor(clip_ratio, dtype=x.dtype, device=x.device)
+        clip_ratio = torch.tensor(clip_ratio, dtype=stats.dtype, device=stats.device)
     if symmetric:
-        absmax = x.abs().amax(dim=dims, keepdim=True)
-        scale = (clip_ratio * absmax / 2 ** (bits - 1)).clamp_min(eps)
+        scale = (clip_ratio * stats[0] / 2 ** (bits - 1)).clamp_min(eps)
         return scale, torch.zeros_like(scale)
-    lo = x.amin(dim=dims, keepdim=True)
-    hi = x.amax(dim=dims, keepdim=True)
+    lo, hi = -stats[0], stats[1]
     # shrink [lo, hi] about its midpoint; written so that clip_ratio == 1 gives lo, hi exactly
     shrink = (1 - clip_ratio) * (hi - lo) / 2
     lo, hi = lo + shrink, hi - shrink

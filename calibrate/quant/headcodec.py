@@ -23,7 +23,7 @@ from torch import Tensor
 
 from calibrate import codec
 from calibrate.codec import FP
-from calibrate.quant import codebook, ordered, packing, qvg
+from calibrate.quant import affine, codebook, ordered, packing, qvg
 from calibrate.recipe import TensorSpec
 
 
@@ -48,14 +48,17 @@ class GroupCodec:
                            zero_D=None if zero is None else zero[:, None, None])
 
     # ---- encode: x [B, Hg, T, D] -> stored tensors [B, Hg, ...] ---------------------------------------
-    def encode(self, x: Tensor, span_state: Tensor | None = None) -> dict[str, Tensor]:
+    def encode(self, x: Tensor, span_state: Tensor | None = None, stats: Tensor | None = None) -> dict[str, Tensor]:
         """Stored tensors of x; kind prq with stages codes against `span_state` [B, Hg, stages, C, D]
-        (the span's centroids, `fit_span_state`)."""
+        (the span's centroids, `fit_span_state`); kind uniform on a dynamic channel axis may be
+        given the whole frame's ranges (`channel_stats`) and x a block of its tokens."""
         if self.bits >= 16:
             return {"fp16": x.to(FP)}
         spec, p = self.spec, self.enc
         y, side = self._prepare(x)
-        if spec.kind == "codebook":
+        if stats is not None:
+            codes, dyn = codec.channel_quantize(y, spec, p, stats)
+        elif spec.kind == "codebook":
             codes, dyn = codec._codebook_quantize(y, spec, p, self._nearest)
         elif codec.span_of(spec, 0) is not None:  # prq: the package's functions take one batch axis
             B, Hg, T, D = y.shape
@@ -68,6 +71,10 @@ class GroupCodec:
         stored.update({f"p_{k}": v for k, v in dyn.items()})
         stored.update(side)
         return stored
+
+    def channel_stats(self, x: Tensor) -> Tensor:
+        """affine.range_stats of x's tokens after steps 1-4 (merge blocks with torch.maximum)."""
+        return affine.range_stats(self._prepare(x)[0], symmetric=self.spec.symmetric, reduce_dims=(-2,))
 
     def fit_span_state(self, x: Tensor) -> Tensor:
         """codec.fit_span_state for every head of the group: x [B, Hg, T, D] -> [B, Hg, stages, C, D] float16."""
