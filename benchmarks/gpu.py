@@ -20,6 +20,12 @@ tokens per latent frame, chunks of 3 latent frames = one cache frame of 4680 tok
 
 Writes gpu.md and gpu.json. Sized for one H200 in well under 10 minutes. Without a CUDA device it
 prints one line and exits 2.
+
+    python -m benchmarks.gpu --cpu-smoke [--out DIR]
+
+runs the same steps on the CPU with the adapter's tiny random Wan (2 layers, 16 x 16 latents), in
+bfloat16, with the decode uncompiled: a check of this script's plumbing where no GPU is lent (its
+numbers measure nothing); it writes gpu_smoke.md and gpu_smoke.json (tests/test_gpu_script.py).
 """
 
 from __future__ import annotations
@@ -46,17 +52,46 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
-def build(device: torch.device, settings):
+class Clock:
+    """Synchronization and peak memory of the device the script runs on (the CPU smoke run has neither)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.cuda else "CPU (smoke run: no measurement)"
+
+
+def build(device: torch.device, settings, smoke: bool):
     import diffusers
 
-    from calibrate.adapters.wan_diffusers import WanAdapter
+    from calibrate.adapters import wan_diffusers as wan
 
+    if smoke:
+        model = wan.tiny_transformer().to(torch.bfloat16)
+        text = wan.load_text_embedding(None, model.config.text_dim)
+        return wan.WanAdapter(model, settings, text)
     torch.manual_seed(0)
     with torch.device(device):
         model = diffusers.WanTransformer3DModel(**WAN_1_3B)
     model = model.to(torch.bfloat16)
     text = torch.randn(64, WAN_1_3B["text_dim"], generator=torch.Generator().manual_seed(1))
-    return WanAdapter(model, settings, text, name="wan2.1-1.3b-shaped (random weights)")
+    return wan.WanAdapter(model, settings, text, name="wan2.1-1.3b-shaped (random weights)")
 
 
 def equivalence(adapter, device, caches: dict) -> dict:
@@ -95,13 +130,17 @@ def equivalence(adapter, device, caches: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--window", type=int, default=4, help="cache frames (chunks) besides the sink")
     parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
-    args = parser.parse_args()
-    device = require_cuda()
+    parser.add_argument("--cpu-smoke", action="store_true", help="the same steps on the CPU with a tiny Wan (a script check)")
+    args = parser.parse_args(argv)
+    smoke = args.cpu_smoke
+    device = torch.device("cpu") if smoke else require_cuda()
+    clock = Clock(device)
+    stem = "gpu_smoke" if smoke else "gpu"
 
     from benchmarks.predictive_fit import MomentCache, Moments, predictive_recipe
     from calibrate.adapters.wan_diffusers import WanSettings
@@ -114,8 +153,9 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = True
     t_start = time.perf_counter()
-    settings = WanSettings(chunk_frames=3, latent_height=60, latent_width=104, dtype="bfloat16")
-    adapter = build(device, settings)
+    settings = WanSettings(chunk_frames=3, latent_height=16 if smoke else 60, latent_width=16 if smoke else 104,
+                           dtype="bfloat16")
+    adapter = build(device, settings, smoke)
     info = adapter.info
     L, W, S = info.num_layers, args.window, 1
     fast = dict(device=device, compute_dtype=torch.bfloat16, workspace_bytes=2 * GIB)
@@ -125,7 +165,7 @@ def main() -> None:
             return FastKVCache.from_recipe(recipe, window, S, compile=compile_backend, **fast)
         return make
 
-    res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
+    res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": clock.name(),
            "torch": torch.__version__, "model": info.name, "tokens_per_cache_frame": info.tokens_per_frame,
            "window_chunks": W, "sink_chunks": S, "chunks": args.chunks}
     fp16 = build_baseline("fp16", info)
@@ -142,35 +182,35 @@ def main() -> None:
     rows, ref_frames = [], None
     caches = {"KVCache (float32, the model's own)": lambda: KVCache(L, W, S)}
     for name, recipe in recipes.items():
-        caches[f"fast, {name}"] = fast_cache(recipe, "inductor" if recipe.scheme.layers[0].k.kind == "predictive" else None)
+        compiled = "inductor" if recipe.scheme.layers[0].k.kind == "predictive" and not smoke else None
+        caches[f"fast, {name}"] = fast_cache(recipe, compiled)
     for name, make in caches.items():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        clock.reset_peak()
+        base = clock.allocated()
         cache = make()
         try:
             with torch.no_grad():
                 adapter.rollout(trajs[:1], cache, device)  # warm-up (compilation)
                 cache = make()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                clock.sync()
+                clock.reset_peak()
                 t0 = time.perf_counter()
                 frames = adapter.rollout(trajs, cache, device)
-                torch.cuda.synchronize()
+                clock.sync()
         except Exception as e:  # a compile failure on this machine: say so, run uncompiled
             if "predictive" not in name:
                 raise
             print(f"{name}: compiled decode failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); running eager",
                   flush=True)
             cache = fast_cache(recipes["predictive 2.5 bits"], None)()
-            torch.cuda.reset_peak_memory_stats()
+            clock.reset_peak()
             t0 = time.perf_counter()
             with torch.no_grad():
                 frames = adapter.rollout(trajs, cache, device)
-            torch.cuda.synchronize()
+            clock.sync()
             name += " (eager decode)"
         ms = (time.perf_counter() - t0) * 1e3 / args.chunks
-        row = {"cache": name, "ms_per_chunk": ms, "peak_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
+        row = {"cache": name, "ms_per_chunk": ms, "peak_gib": (clock.peak() - base) / GIB,
                "kv_gib": cache.nbytes() / GIB}
         if hasattr(cache, "predicted_nbytes"):
             row["kv_bytes_equal_predicted"] = cache.nbytes() == cache.predicted_nbytes(args.chunks)
@@ -184,11 +224,13 @@ def main() -> None:
     res["fp16_kv_gib"] = fp16_cache_bytes(info, args.chunks, W, S) / GIB
     res["seconds"] = time.perf_counter() - t_start
     args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "gpu.json", json.dumps(res, indent=2) + "\n")
+    write_text_atomic(args.out / f"{stem}.json", json.dumps(res, indent=2) + "\n")
     lines = [f"# Fast runtime on {res['device']}: {info.name}, bfloat16", "",
-             f"- date: {res['date']}; command: `python -m benchmarks.gpu --chunks {args.chunks} --window {W}`; torch {res['torch']}",
+             f"- date: {res['date']}; command: `python -m benchmarks.gpu --chunks {args.chunks} --window {W}"
+             f"{' --cpu-smoke' if smoke else ''}`; torch {res['torch']}",
              f"- {info.num_layers} layers x {info.num_kv_heads} heads x {info.head_dim}; {info.tokens_per_frame} tokens per "
-             f"cache frame (3 latent frames of 60 x 104 latents); window {W} chunks + {S} sink; {args.chunks} chunks of "
+             f"cache frame (3 latent frames of {settings.latent_height} x {settings.latent_width} latents); window {W} "
+             f"chunks + {S} sink; {args.chunks} chunks of "
              "4 denoising + 1 clean pass; peak = max_memory_allocated above the weights",
              "- cached vs uncached (3 clean chunks, block-causal mask), max |diff| / max |out|: "
              + ", ".join(f"{k} {v:.2e}" for k, v in res["equivalence_rel_max"].items()), "",
@@ -198,7 +240,7 @@ def main() -> None:
         lines.append(f"| {r['cache']} | {r['ms_per_chunk']:.0f} | {r['peak_gib']:.2f} | {r['kv_gib']:.3f} | "
                      f"{r.get('kv_bytes_equal_predicted', '-')} | {r['rollout_rel_rmse_vs_float']:.3g} |")
     lines += ["", f"float16 K/V of the same frames: {res['fp16_kv_gib']:.3f} GiB. Total {res['seconds']:.0f} s.", ""]
-    write_text_atomic(args.out / "gpu.md", "\n".join(lines))
+    write_text_atomic(args.out / f"{stem}.md", "\n".join(lines))
     print("\n".join(lines))
 
 
