@@ -266,29 +266,49 @@ def _fp16_norm(y: Tensor) -> Tensor:
     return ordered.sum_squares(y).sqrt().clamp(FP_EPS, 65504.0).to(FP)
 
 
-def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+@dataclass(frozen=True)
+class TurboSteps:
+    """The per-head steps of kinds turbo and turbo_prod: the head's own (`turbo_steps`), or a head
+    axis' (quant/headcodec.py), the same arithmetic either way."""
+
+    nearest: Callable[[Tensor], Tensor]  # u -> indices of the nearest Lloyd-Max levels
+    levels: Callable[[Tensor], Tensor]  # indices -> levels
+    signs: Callable[[Tensor], Tensor]  # r -> QJL signs
+    qjl: Callable[[Tensor, Tensor], Tensor]  # (signs, gamma) -> the QJL term
+
+
+def turbo_steps(p: HeadParams) -> TurboSteps:
+    return TurboSteps(lambda u: turbo.mse_codes(u, p.lloyd_max_L), lambda c: codebook.decode(c, p.lloyd_max_L),
+                      lambda r: turbo.qjl_signs(r, p.qjl_MD), lambda z, g: turbo.qjl_values(z, g, p.qjl_MD))
+
+
+def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, steps: TurboSteps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     norm = _fp16_norm(y)
-    return turbo.mse_codes(y / norm.float(), p.lloyd_max_L), {"norm": norm}
+    return (steps or turbo_steps(p)).nearest(y / norm.float()), {"norm": norm}
 
 
-def _turbo_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
-    return codebook.decode(codes, p.lloyd_max_L) * dyn["norm"].float()
+def _turbo_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
+                      steps: TurboSteps | None = None) -> Tensor:
+    return (steps or turbo_steps(p)).levels(codes) * dyn["norm"].float()
 
 
-def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
+def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
+                         steps: TurboSteps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """code = mse index + 2^(b-1) * [S r >= 0]: b-1 bits of TQ_mse and the QJL sign in the top bit."""
+    steps = steps or turbo_steps(p)
     norm = _fp16_norm(y)
     u = y / norm.float()
-    idx = turbo.mse_codes(u, p.lloyd_max_L)
-    r = u - codebook.decode(idx, p.lloyd_max_L)
+    idx = steps.nearest(u)
+    r = u - steps.levels(idx)
     gamma = ordered.sum_squares(r).sqrt().clamp(max=65504.0).to(FP)
-    signs = turbo.qjl_signs(r, p.qjl_MD)
-    return idx + (signs << (p.bits - 1)), {"norm": norm, "gamma": gamma}
+    return idx + (steps.signs(r) << (p.bits - 1)), {"norm": norm, "gamma": gamma}
 
 
-def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
+def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
+                           steps: TurboSteps | None = None) -> Tensor:
+    steps = steps or turbo_steps(p)
     top = p.bits - 1
-    u = codebook.decode(codes & ((1 << top) - 1), p.lloyd_max_L) + turbo.qjl_values(codes >> top, dyn["gamma"], p.qjl_MD)
+    u = steps.levels(codes & ((1 << top) - 1)) + steps.qjl(codes >> top, dyn["gamma"])
     return u * dyn["norm"].float()
 
 

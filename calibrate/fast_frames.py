@@ -1,4 +1,4 @@
-"""The fast runtime's storage of per-frame codes (`kind` uniform, codebook or prq): one ring per class.
+"""The fast runtime's storage of per-frame codes (every per-frame kind): one ring per class.
 
 A frame's K/V of one layer are held, per the token policy (memory.final_bits), at the width of
 its class: `recent` (the newest `recent_frames`, at `recent_bits`), `sink`, `key` (key frames)
@@ -38,7 +38,7 @@ CLASSES = ("recent", "sink", "key", "main")
 
 def problem(spec: TensorSpec, D: int, policy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
-    if spec.kind not in ("uniform", "codebook", "prq"):
+    if spec.kind not in ("uniform", "codebook", "prq", "turbo", "turbo_prod"):
         return f"kind '{spec.kind}'"
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"

@@ -103,7 +103,7 @@ def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> di
 FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
                  # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
                  # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
-                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits")}}
+                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo")}}
 
 
 @pytest.mark.parametrize("name", FRAME_RECIPES)
@@ -148,7 +148,7 @@ def test_logit_correction_and_shadow_reads():
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2", "turbo2.5"])
 def test_baselines_roll_out_like_the_reference(name, tiny_world):
     from calibrate.adapters import TinyWorldAdapter
     from calibrate.world.trajectories import make_trajectories
@@ -277,11 +277,13 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
         build_cache(predictive_recipe(), 4, 1, "cpu", "turbo")
 
 
-def test_span_centroids_with_coded_sink_recent_or_key_frames_have_no_fast_path():
-    """A prq span shared by frames of several classes is left to the reference runtime, by name."""
+def test_kinds_without_a_fast_path_are_named():
+    """A prq span shared by frames of several classes and the Jensen correction are left to the
+    reference runtime, by name; the turbo kinds run fast."""
     assert "kind 'prq' with span centroids" in fast_path_problem(_toy_peer_recipes()["prq_keyframes"])
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
-    assert "kind 'turbo_prod'" in fast_path_problem(_toy_peer_recipes()["turbo"])
+    assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None
+    assert "the Jensen-bias correction" in fast_path_problem(_toy_peer_recipes()["jensen"])
 
 
 def test_frames_of_another_shape_are_refused():

@@ -23,8 +23,18 @@ from torch import Tensor
 
 from calibrate import codec
 from calibrate.codec import FP
-from calibrate.quant import affine, codebook, ordered, packing, qvg
+from calibrate.quant import affine, codebook, ordered, packing, qvg, turbo
 from calibrate.recipe import TensorSpec
+
+
+TURBO_KINDS = ("turbo", "turbo_prod")
+
+
+def _matmul_heads(x: Tensor, m_HKN: Tensor) -> Tensor:
+    """ordered.matmul_heads for x [B, Hg, ..., K] of any rank (the head axis second)."""
+    B, Hg, K = x.shape[0], x.shape[1], x.shape[-1]
+    out = ordered.matmul_heads(x.reshape(B, Hg, -1, K), m_HKN)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class GroupCodec:
@@ -39,6 +49,11 @@ class GroupCodec:
         self.centroids = stack("centroids_CD")
         self.outlier_idx = stack("outlier_channels_n")
         self.levels = stack("levels_L")
+        self.lloyd, self.qjl = stack("lloyd_max_L"), stack("qjl_MD")
+        # kinds turbo / turbo_prod: codec's steps with one Lloyd-Max row and one QJL sketch per head
+        self.turbo = codec.TurboSteps(lambda u: self._nearest(u, self.lloyd), lambda c: self._levels_at(c, self.lloyd),
+                                      lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads),
+                                      lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
         self.comp = (stack("comp_down_DR"), stack("comp_up_RD"))
         scale, zero = stack("scale_D"), stack("zero_D")
         # parameters broadcast over [B, Hg, T, D] (encode) and [B, Hg, J, T, D] (decode)
@@ -59,7 +74,9 @@ class GroupCodec:
         if stats is not None:
             codes, dyn = codec.channel_quantize(y, spec, p, stats)
         elif spec.kind == "codebook":
-            codes, dyn = codec._codebook_quantize(y, spec, p, self._nearest)
+            codes, dyn = codec._codebook_quantize(y, spec, p, lambda u: self._nearest(u, self.levels))
+        elif spec.kind in TURBO_KINDS:
+            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p, self.turbo)
         elif codec.span_of(spec, 0) is not None:  # prq: the package's functions take one batch axis
             B, Hg, T, D = y.shape
             codes, dyn = codec.CODE_KINDS["prq"].quantize(y.reshape(B * Hg, T, D), spec, self._with_state(span_state))
@@ -121,17 +138,19 @@ class GroupCodec:
         heads = torch.arange(len(self.heads), device=assign.device).view(1, -1, *([1] * (assign.dim() - 2)))
         return self.centroids[heads, assign.long()]
 
-    def _levels_at(self, codes: Tensor) -> Tensor:
-        """codebook.decode per head: codes [B, Hg, ...] -> each head's levels at them."""
+    @staticmethod
+    def _levels_at(codes: Tensor, levels: Tensor) -> Tensor:
+        """codebook.decode per head: codes [B, Hg, ...] -> each head's `levels` [Hg, L] at them."""
         B, Hg = codes.shape[:2]
         flat = codes.transpose(0, 1).reshape(Hg, -1).long()
-        return self.levels.gather(-1, flat).reshape(Hg, B, *codes.shape[2:]).transpose(0, 1)
+        return levels.gather(-1, flat).reshape(Hg, B, *codes.shape[2:]).transpose(0, 1)
 
-    def _nearest(self, u: Tensor) -> Tensor:
+    @staticmethod
+    def _nearest(u: Tensor, levels: Tensor) -> Tensor:
         """codebook.nearest_level per head: u [B, Hg, ...] in the normalized domain -> uint8 codes."""
         B, Hg = u.shape[:2]
         x = u.transpose(0, 1).reshape(Hg, -1).contiguous()
-        codes = codebook.nearest_rows(x, self.levels)
+        codes = codebook.nearest_rows(x, levels)
         return codes.reshape(Hg, B, *u.shape[2:]).transpose(0, 1)
 
     # ---- decode: stored tensors [B, Hg, J, ...] -> x [B, Hg, J, T, D] ---------------------------------
@@ -144,7 +163,9 @@ class GroupCodec:
         codes = packing.unpack(stored["codes"], self.bits, D)
         dyn = {k[2:]: v for k, v in stored.items() if k.startswith("p_")}
         if spec.kind == "codebook":
-            y = codec._codebook_dequantize(codes, dyn, spec, p, self._levels_at)
+            y = codec._codebook_dequantize(codes, dyn, spec, p, lambda c: self._levels_at(c, self.levels))
+        elif spec.kind in TURBO_KINDS:
+            y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p, self.turbo)
         elif codec.span_of(spec, 0) is not None:
             lead = codes.shape[:3]
             flat = lambda t: t.reshape(-1, *t.shape[3:])

@@ -88,17 +88,18 @@ def mse_codes(u: Tensor, levels: Tensor) -> Tensor:
     return codebook.nearest_level(u, levels)
 
 
-def qjl_signs(r: Tensor, sketch_MD: Tensor) -> Tensor:
+def qjl_signs(r: Tensor, sketch_MD: Tensor, matmul=ordered.matmul) -> Tensor:
     """z = sign(S r) as {0, 1} (1 = +1, sign(0) = +1), uint8 [..., m].
 
-    S r is summed in the fixed order of recipes/FORMAT.md (`ordered.matmul`): its sign is a code.
+    S r is summed in the fixed order of recipes/FORMAT.md (`ordered.matmul`; quant/headcodec.py passes
+    its per-head form with one S per head): its sign is a code.
     """
-    return (ordered.matmul(r, sketch_MD.T) >= 0).to(torch.uint8)
+    return (matmul(r, sketch_MD.transpose(-1, -2)) >= 0).to(torch.uint8)
 
 
-def qjl_values(signs: Tensor, gamma: Tensor, sketch_MD: Tensor) -> Tensor:
+def qjl_values(signs: Tensor, gamma: Tensor, sketch_MD: Tensor, matmul=ordered.matmul) -> Tensor:
     """(k gamma) (S^T z), k = float32(sqrt(pi/2) / m), z = 2 signs - 1: the QJL term of the
     reconstruction (S^T z summed over the m rows in the fixed order of `ordered`)."""
     z = 2.0 * signs.float() - 1.0
-    k = torch.tensor(QJL_SCALE / sketch_MD.shape[0], dtype=torch.float32)
-    return (k * gamma.float()) * ordered.matmul(z, sketch_MD)
+    k = torch.tensor(QJL_SCALE / sketch_MD.shape[-2], dtype=torch.float32)
+    return (k * gamma.float()) * matmul(z, sketch_MD)
