@@ -17,7 +17,9 @@ is left to the reference runtime (`problem`).
 
 Attention reads a pool as blocks of its live slots, every group decoded at once
 (`GroupCodec.decode`), heads put back in order; the key-noise logit correction applies to the
-heads of a pool whose class width is the head's own width below 16 (recipes/FORMAT.md).
+heads of a pool whose class width is the head's own width below 16 (recipes/FORMAT.md); the
+Jensen correction (quant/jensen.py) lowers each key's logit by its own grid steps, read from the
+block's stored scales (`GroupCodec.key_steps`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
 from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
+from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import TensorSpec
 
@@ -40,6 +43,8 @@ def problem(spec: TensorSpec, D: int, policy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
     if spec.kind not in ("uniform", "codebook", "prq", "turbo", "turbo_prod"):
         return f"kind '{spec.kind}'"
+    if spec.jensen and (spec.kind not in ("uniform", "prq") or spec.sparse_fraction > 0):
+        return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
     if span_of(spec, 0) is not None and any(
@@ -95,6 +100,7 @@ class FrameStore:
         self.device = torch.device(device)
         tensors = {kind: {k: v.to(self.device) for k, v in recipe.layer_tensors(layer, kind).items()} for kind in "kv"}
         self.var_HD = tensors["k"].get("logit_bias")
+        self.jensen = self.specs["k"].jensen  # quant/jensen.py: each key's own grid steps lower its logits
         self.k_rotation = tensors["k"].get("rotation")
         native = {kind: [spec.bits_of(h) for h in range(self.H)] for kind, spec in self.specs.items()}
         widths_of = {"recent": lambda kind: [pol.recent_bits] * self.H, "sink": lambda kind: [pol.sink_bits] * self.H,
@@ -322,10 +328,27 @@ class FrameStore:
             k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, J, T, D = k.shape
         corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
+        if self.jensen and any(g.bits < 16 for g in self.groups[name]["k"]):
+            corr = self._key_steps(name, slots, tokens).reshape(B, H, J * T, D)
         return k.reshape(B, H, J * T, D), v.reshape(B, H, J * T, D), corr
 
+    def _key_steps(self, name: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
+        """Grid steps [B, H, J, Tb, D] of the keys in the pool's `slots` (the Jensen correction)."""
+        out = None
+        for g, bufs in zip(self.groups[name]["k"], self.pools[name].buffers["k"]):
+            cut = {key: (t[:, :, :, tokens] if t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
+                   for key, t in bufs.items()}
+            steps = g.key_steps(cut, len(range(self.T)[tokens]))
+            if out is None:
+                out = steps.new_zeros(steps.shape[0], self.H, *steps.shape[2:])
+            out[:, g.heads] = steps
+        return out
+
     def bias_fn(self, q_BHTD: Tensor):
-        """corrected heads [H] -> additive logits [B, H, T, 1] (minus the expected key-noise inflation)."""
+        """A block's third element -> additive logits: corrected heads [H] -> [B, H, T, 1] (minus the
+        expected key-noise inflation), or (Jensen) key steps [B, H, N, D] -> [B, H, T, N]."""
+        if self.jensen:
+            return lambda steps: -jensen_bias(q_BHTD, steps, self.k_rotation).to(q_BHTD.dtype)
         if self.var_HD is None:
             return None
         c = logit_inflation(q_BHTD, self.var_HD, self.k_rotation)  # [B, H, T]
@@ -352,9 +375,14 @@ class FrameStore:
 
     def logit_bias(self, n: int, q_BHTD: Tensor, frames: list[int]) -> Tensor | None:
         """As QuantizedKVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""
+        B, H, T, D = q_BHTD.shape
+        if self.jensen:
+            steps = [self._key_steps(name, self._index([pool.frame_slot[f]]))[:, :, 0]
+                     for f in frames for name, pool in self.pools.items() if f in pool.frame_slot]
+            steps.append(q_BHTD.new_zeros(B, H, T, D))
+            return -jensen_bias(q_BHTD, torch.cat(steps, dim=2), self.k_rotation).to(q_BHTD.dtype)
         if self.var_HD is None:
             return None
-        B, H, T, _ = q_BHTD.shape
         cols = []
         for f in frames:
             name = next(p for p, pool in self.pools.items() if f in pool.frame_slot)

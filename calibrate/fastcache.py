@@ -56,8 +56,6 @@ def fast_path_problem(recipe: Recipe) -> str | None:
     if recipe.scheme.policy.plan is not None:
         return "a memory plan (device and host tiers, recall: calibrate/tiers.py)"
     for i, pair in enumerate(recipe.scheme.layers):
-        if getattr(pair.k, "jensen", False):
-            return f"layer {i} k: the Jensen-bias correction (jensen)"
         kinds = {pair.k.kind == "predictive", pair.v.kind == "predictive"}
         if kinds == {True, False}:
             return f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
@@ -291,11 +289,10 @@ class FastKVCache(KVCache):
             k_all = torch.cat([k for k, _, _ in got] + [k_BHTD], dim=2)
             v_all = torch.cat([v for _, v, _ in got] + [v_BHTD], dim=2)
             mask = None
-            if any(corr is not None for _, _, corr in got):
+            if any(corr is not None for _, _, corr in got):  # each block's correction, 0 for the fresh frame
                 B, H, T, _ = q_BHTD.shape
-                mask = torch.cat([(corr.to(q_BHTD.dtype) if corr is not None else q_BHTD.new_zeros(H))[:, None]
-                                  .expand(H, k.shape[2]) for k, _, corr in got] + [q_BHTD.new_zeros(H, T)], dim=1)
-                mask = bias(torch.ones(H, device=q_BHTD.device)) * mask[None, :, None, :]
+                mask = torch.cat([(bias(corr) if corr is not None else q_BHTD.new_zeros(1, 1, 1, 1)).expand(B, H, T, k.shape[2])
+                                  for k, _, corr in got] + [q_BHTD.new_zeros(B, H, T, T)], dim=-1)
             if self.compute_dtype is not None and self.compute_dtype != q_BHTD.dtype:  # e.g. bf16 flash attention
                 cd = self.compute_dtype
                 out = F.scaled_dot_product_attention(q_BHTD.to(cd), k_all.to(cd), v_all.to(cd),

@@ -103,7 +103,7 @@ def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> di
 FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
                  # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
                  # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
-                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo")}}
+                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo", "jensen")}}
 
 
 @pytest.mark.parametrize("name", FRAME_RECIPES)
@@ -133,6 +133,23 @@ def test_per_frame_kinds_equal_the_reference(name, window, sink):
     assert fast.capacity_nbytes() == capacity  # nothing allocated once warm
 
 
+@pytest.mark.parametrize("window,sink", [(3, 1), (4, 0)])
+def test_jensen_correction_equals_the_reference(window, sink):
+    """Each key's own grid steps (per-channel K, an outlier channel, float16 recent frames) lower its
+    logit as the reference runtime's; blockwise attention and the materialized bias for shadows agree."""
+    recipe = toy_recipe(TensorSpec(bits=2, axis="channel", jensen=True, outliers=1), TensorSpec(bits=2),
+                        TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1))
+    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    blocks = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink, token_block=8, query_chunk=3)
+    for q, k, v, rope in kv_frames(9):
+        for layer in range(INFO.num_layers):
+            want = ref.attend(layer, q, k, v, rope)
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(blocks.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
+            torch.testing.assert_close(fast.logit_bias(layer, q), ref.logit_bias(layer, q), atol=1e-6, rtol=1e-5)
+
+
 def test_logit_correction_and_shadow_reads():
     recipe = toy_recipe(TensorSpec(bits=2, head_bits=[2, 3], group_size=8), TensorSpec(bits=2), POLICY)
     recipe.tensors["layers.0.k.logit_bias"] = torch.rand(H, D)
@@ -148,7 +165,7 @@ def test_logit_correction_and_shadow_reads():
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2", "turbo2.5"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2", "turbo2.5", "jensen2"])
 def test_baselines_roll_out_like_the_reference(name, tiny_world):
     from calibrate.adapters import TinyWorldAdapter
     from calibrate.world.trajectories import make_trajectories
@@ -278,12 +295,13 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
 
 
 def test_kinds_without_a_fast_path_are_named():
-    """A prq span shared by frames of several classes and the Jensen correction are left to the
-    reference runtime, by name; the turbo kinds run fast."""
+    """A prq span shared by frames of several classes and the Jensen correction on dense-and-sparse
+    keys are left to the reference runtime, by name; the turbo kinds and the Jensen correction run fast."""
     assert "kind 'prq' with span centroids" in fast_path_problem(_toy_peer_recipes()["prq_keyframes"])
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
-    assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None
-    assert "the Jensen-bias correction" in fast_path_problem(_toy_peer_recipes()["jensen"])
+    assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None
+    sparse = toy_recipe(TensorSpec(bits=2, jensen=True, sparse_fraction=0.05), TensorSpec(bits=2))
+    assert "the Jensen correction on kind 'uniform' with dense-and-sparse values" in fast_path_problem(sparse)
 
 
 def test_frames_of_another_shape_are_refused():
