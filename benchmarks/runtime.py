@@ -4,7 +4,8 @@
 
 1. TinyWorld, batch 1, window 16 + 1 sink, a 64-frame orbit: ms per generated frame of the
    model's own float32 cache, the float16 recipe, the shipped (default, predictive) recipe and
-   per-frame baselines, fast and reference runtimes; runs interleaved, best of three.
+   per-frame baselines, fast and reference runtimes; runs interleaved, best of three; and where
+   the shipped recipe's fast path spends its time, step by step.
 2. Wan-shaped attention (one layer, 12 heads x 128, 1560 tokens per frame, synthetic K/V that
    drift like video): one generated frame's attention over 8, 32 and 128 history frames, float16
    SDPA over a preallocated float16 ring vs the quantized caches: time, peak memory (torch's CPU
@@ -96,6 +97,54 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
         r["x_fp16_fast"] = r["ms_per_frame_cpu"] / base["fp16 recipe, fast"]
         r["x_float32_cache"] = r["ms_per_frame_cpu"] / base["float32 cache (KVCache, the model's own)"]
     return rows
+
+
+def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
+    """Where the predictive fast path's time goes: ms per generated frame (all layers) of the recipe's
+    TinyWorld rollout inside each step of `fast_chain.ChainStore`, timed around its methods (best of
+    `repeats` per step), beside the float16 recipe's whole frame."""
+    from calibrate import fast_chain
+    from calibrate.adapters import TinyWorldAdapter
+    from calibrate.world.trajectories import make_trajectories
+    from calibrate.world.weights import load_weights
+
+    world = TinyWorldAdapter(load_weights(None))
+    trajs = make_trajectories(["orbit"], "evaluation", 1, frames, 0)
+    recipe, fp16 = load_recipe(recipe_path, world.info), build_baseline("fp16", world.info)
+    cpu = torch.device("cpu")
+    spent: dict[str, float] = {}
+    originals = {name: getattr(fast_chain.ChainStore, name) for name in ("scan", "values", "encode", "_commit", "_block")}
+
+    def timed(name, f):
+        def g(*a, **k):
+            t0 = time.process_time()
+            out = f(*a, **k)
+            spent[name] = spent.get(name, 0.0) + time.process_time() - t0
+            return out
+        return g
+
+    best: dict[str, float] = {}
+    try:
+        for name, f in originals.items():
+            setattr(fast_chain.ChainStore, name, timed(name, f))
+        for _ in range(repeats):
+            spent.clear()
+            for label, r in (("total", recipe), ("fp16 recipe, total", fp16)):
+                t0 = time.process_time()
+                world.rollout(trajs, FastKVCache(r, 16, 1), cpu)
+                spent[label] = time.process_time() - t0
+            for k, v in spent.items():
+                best[k] = min(best.get(k, math.inf), 1e3 * v / (frames - 1))
+    finally:
+        for name, f in originals.items():
+            setattr(fast_chain.ChainStore, name, f)
+    return {"scan (unpack the codes, integer states of the chain)": best["scan"],
+            "values ((unit v) R^T + mean, exact)": best["values"],
+            "rotary of the keys, blocks": best["_block"] - best["values"],
+            "encode the new frame": best["encode"],
+            "pack codes, modes, the anchor": best["_commit"] - best["encode"],
+            "everything else (model, attention, the seam)": best["total"] - best["scan"] - best["_commit"] - best["_block"],
+            "total": best["total"], "fp16 recipe, total": best["fp16 recipe, total"]}
 
 
 # ---- 2. Wan-shaped attention ------------------------------------------------------------------------------
@@ -242,6 +291,10 @@ def markdown(res: dict) -> str:
               "| cache | ms / frame (CPU) | x fp16 recipe (fast) | x float32 KVCache |", "|---|---:|---:|---:|"]
     for r in res["tinyworld"]:
         lines.append(f"| {r['cache']} | {r['ms_per_frame_cpu']:.2f} | {r['x_fp16_fast']:.2f} | {r['x_float32_cache']:.2f} |")
+    if res.get("breakdown"):
+        lines += ["", "Where the shipped recipe's fast path spends its time (ms per generated frame, 4 layers; "
+                  "timers around `fast_chain.ChainStore`'s methods, best of 3):", "", "| step | ms / frame |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in res["breakdown"].items()]
     lines += ["", "## Wan-shaped attention (12 heads x 128, 1560 tokens per frame), one generated frame", "",
               "| history | cache | attend s (CPU) | resident MiB | transient MiB | peak MiB | packed MiB (= predicted) | "
               "target 1.5 x packed + frame MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -282,6 +335,8 @@ def main() -> None:
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "notes": NOTES}
     res["tinyworld"] = tinyworld(recipe, 64, 3)
     print(json.dumps(res["tinyworld"], indent=1), flush=True)
+    res["breakdown"] = chain_breakdown(recipe, 64, 3)
+    print(json.dumps(res["breakdown"], indent=1), flush=True)
     res["wan_attention"] = wan_attention([8, 32] if args.quick else [8, 32, 128], predictive_up_to=32)
     runs = Path("artifacts/runs/benchmark-runtime")  # run dirs of compare/check (git-ignored)
     res["pipeline"] = [] if args.quick else pipeline_runs(runs, args.compare_frames)
