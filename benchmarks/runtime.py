@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -247,6 +248,13 @@ def wan_attention(histories: list[int], predictive_up_to: int) -> list[dict]:
 
 
 # ---- 3. compare and check ----------------------------------------------------------------------------------
+def fresh(run_dir: Path) -> Path:
+    """An empty run directory: a run dir's partial results would let a rerun skip the work it times."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
 def pipeline_runs(out: Path, frames: int) -> list[dict]:
     from calibrate import pipeline
     from calibrate.config import Config
@@ -258,8 +266,7 @@ def pipeline_runs(out: Path, frames: int) -> list[dict]:
         cfg = replace(base, task="compare", schemes=schemes,
                       trajectories=replace(base.trajectories, num_frames=frames),
                       eval=replace(base.eval, runtime=runtime, strips=False))
-        run_dir = out / f"compare-{runtime}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = fresh(out / f"compare-{runtime}")
         t0 = clock()
         pipeline.run_compare(cfg, run_dir)
         cpu, wall = since(t0)
@@ -268,8 +275,7 @@ def pipeline_runs(out: Path, frames: int) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
     for runtime in ("reference", "auto"):
         cfg = replace(base, task="check", recipe=str(SHIPPED), eval=replace(base.eval, runtime=runtime))
-        run_dir = out / f"check-{runtime}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = fresh(out / f"check-{runtime}")
         t0 = clock()
         pipeline.run_check(cfg, run_dir)
         cpu, wall = since(t0)
