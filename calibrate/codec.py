@@ -266,36 +266,20 @@ def _fp16_norm(y: Tensor) -> Tensor:
     return ordered.sum_squares(y).sqrt().clamp(FP_EPS, 65504.0).to(FP)
 
 
-@dataclass(frozen=True)
-class TurboSteps:
-    """The per-head steps of kinds turbo and turbo_prod: the head's own (`turbo_steps`), or a head
-    axis' (quant/headcodec.py), the same arithmetic either way."""
-
-    nearest: Callable[[Tensor], Tensor]  # u -> indices of the nearest Lloyd-Max levels
-    levels: Callable[[Tensor], Tensor]  # indices -> levels
-    signs: Callable[[Tensor], Tensor]  # r -> QJL signs
-    qjl: Callable[[Tensor, Tensor], Tensor]  # (signs, gamma) -> the QJL term
-
-
-def turbo_steps(p: HeadParams) -> TurboSteps:
-    return TurboSteps(lambda u: turbo.mse_codes(u, p.lloyd_max_L), lambda c: codebook.decode(c, p.lloyd_max_L),
-                      lambda r: turbo.qjl_signs(r, p.qjl_MD), lambda z, g: turbo.qjl_values(z, g, p.qjl_MD))
-
-
-def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, steps: TurboSteps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     norm = _fp16_norm(y)
-    return (steps or turbo_steps(p)).nearest(y / norm.float()), {"norm": norm}
+    return (steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)).nearest(y / norm.float()), {"norm": norm}
 
 
 def _turbo_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
-                      steps: TurboSteps | None = None) -> Tensor:
-    return (steps or turbo_steps(p)).levels(codes) * dyn["norm"].float()
+                      steps: turbo.Steps | None = None) -> Tensor:
+    return (steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)).levels(codes) * dyn["norm"].float()
 
 
 def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
-                         steps: TurboSteps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                         steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """code = mse index + 2^(b-1) * [S r >= 0]: b-1 bits of TQ_mse and the QJL sign in the top bit."""
-    steps = steps or turbo_steps(p)
+    steps = steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)
     norm = _fp16_norm(y)
     u = y / norm.float()
     idx = steps.nearest(u)
@@ -305,8 +289,8 @@ def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
 
 
 def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
-                           steps: TurboSteps | None = None) -> Tensor:
-    steps = steps or turbo_steps(p)
+                           steps: turbo.Steps | None = None) -> Tensor:
+    steps = steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)
     top = p.bits - 1
     u = steps.levels(codes & ((1 << top) - 1)) + steps.qjl(codes >> top, dyn["gamma"])
     return u * dyn["norm"].float()

@@ -34,12 +34,12 @@ from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
-from calibrate.recipe import TensorSpec
+from calibrate.recipe import TensorSpec, TokenPolicy
 
 CLASSES = ("recent", "sink", "key", "main")
 
 
-def problem(spec: TensorSpec, D: int, policy) -> str | None:
+def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
     if spec.kind not in ("uniform", "codebook", "prq", "turbo", "turbo_prod"):
         return f"kind '{spec.kind}'"

@@ -51,7 +51,7 @@ class GroupCodec:
         self.levels = stack("levels_L")
         self.lloyd, self.qjl = stack("lloyd_max_L"), stack("qjl_MD")
         # kinds turbo / turbo_prod: codec's steps with one Lloyd-Max row and one QJL sketch per head
-        self.turbo = codec.TurboSteps(lambda u: self._nearest(u, self.lloyd), lambda c: self._levels_at(c, self.lloyd),
+        self.turbo = turbo.Steps(lambda u: self._nearest(u, self.lloyd), lambda c: self._levels_at(c, self.lloyd),
                                       lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads),
                                       lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
         self.comp = (stack("comp_down_DR"), stack("comp_up_RD"))

@@ -31,6 +31,8 @@ Shapes: the last axis is d; levels are 1-D and sorted ascending.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,6 +83,23 @@ def beta_lloyd_max(d: int, bits: int, iters: int = 10_000, tol: float = 1e-13) -
 def qjl_matrix(m: int, d: int, seed: int) -> Tensor:
     """S [m, d] with i.i.d. N(0, 1) entries (float32), from `seed`."""
     return torch.randn(m, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The per-head steps of kinds turbo and turbo_prod (codec.py): one head's (`head_steps`), or a
+    head axis' (quant/headcodec.py), the same arithmetic either way."""
+
+    nearest: Callable[[Tensor], Tensor]  # u -> indices of the nearest Lloyd-Max levels
+    levels: Callable[[Tensor], Tensor]  # indices -> levels
+    signs: Callable[[Tensor], Tensor]  # r -> QJL signs
+    qjl: Callable[[Tensor, Tensor], Tensor]  # (signs, gamma) -> the QJL term
+
+
+def head_steps(levels_L: Tensor, sketch_MD: Tensor | None) -> Steps:
+    """`Steps` of one head: its Lloyd-Max levels and QJL sketch (None for kind turbo)."""
+    return Steps(lambda u: mse_codes(u, levels_L), lambda c: codebook.decode(c, levels_L),
+                 lambda r: qjl_signs(r, sketch_MD), lambda z, g: qjl_values(z, g, sketch_MD))
 
 
 def mse_codes(u: Tensor, levels: Tensor) -> Tensor:
