@@ -7,7 +7,8 @@ static parameters stacked over the Hg heads of a *group* (heads stored at the sa
 the same clip ratio, so the float32 steps are those of one head, and the codes equal
 `codec.encode`'s exactly; tests/test_fastcache.py holds them equal). The steps are the module
 docstring's of codec.py: rotation, centroids, outlier channels, dense-and-sparse, quantize
-(uniform or codebook via codec's own functions, which broadcast), pack; and backwards.
+(codec's own functions, which broadcast: per-head level lookups for the codebook and turbo kinds,
+prq's package functions with the heads folded into their batch axis), pack; and backwards.
 
 Stored tensors keep codec.encode's names and dtypes with the head axis after the batch:
 `codes` [B, Hg, T, ceil(D/8) b], `p_scale`/`p_zero` float16, `assign` uint8, `outliers`
@@ -52,8 +53,8 @@ class GroupCodec:
         self.lloyd, self.qjl = stack("lloyd_max_L"), stack("qjl_MD")
         # kinds turbo / turbo_prod: codec's steps with one Lloyd-Max row and one QJL sketch per head
         self.turbo = turbo.Steps(lambda u: self._nearest(u, self.lloyd), lambda c: self._levels_at(c, self.lloyd),
-                                      lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads),
-                                      lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
+                                 lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads),
+                                 lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
         self.comp = (stack("comp_down_DR"), stack("comp_up_RD"))
         scale, zero = stack("scale_D"), stack("zero_D")
         # parameters broadcast over [B, Hg, T, D] (encode) and [B, Hg, J, T, D] (decode)
