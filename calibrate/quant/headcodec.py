@@ -95,12 +95,12 @@ class GroupCodec:
         return affine.range_stats(self._prepare(x)[0], symmetric=self.spec.symmetric, reduce_dims=(-2,))
 
     def fit_span_state(self, x: Tensor) -> Tensor:
-        """codec.fit_span_state for every head of the group: x [B, Hg, T, D] -> [B, Hg, stages, C, D] float16."""
+        """codec.fit_span_state for every head of the group: x [B, Hg, T, D] -> [B, Hg, stages, C, D] float16.
+        One k-means per head over the batch, the reference's own calls."""
         y, _ = self._prepare(x)
-        B, Hg, T, D = y.shape
         spec = self.spec
-        state = qvg.fit_centroids(y.reshape(B * Hg, T, D), spec.prq_stages, spec.prq_centroids, spec.prq_kmeans_iters)
-        return state.view(B, Hg, *state.shape[1:])
+        return torch.stack([qvg.fit_centroids(y[:, h], spec.prq_stages, spec.prq_centroids, spec.prq_kmeans_iters)
+                            for h in range(y.shape[1])], dim=1)
 
     def _with_state(self, state: Tensor | None) -> codec.HeadParams:
         """The group's parameters with a span state [..., stages, C, D] flattened to one batch axis."""
