@@ -266,7 +266,8 @@ def _fp16_norm(y: Tensor) -> Tensor:
     return ordered.sum_squares(y).sqrt().clamp(FP_EPS, 65504.0).to(FP)
 
 
-def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
+                    steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     norm = _fp16_norm(y)
     return (steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)).nearest(y / norm.float()), {"norm": norm}
 
