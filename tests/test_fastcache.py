@@ -100,6 +100,17 @@ def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> di
     raise KeyError(f)
 
 
+def assert_records_equal(fast: FastKVCache, ref: QuantizedKVCache, layer: int, step: int) -> None:
+    """Every head's stored record of every held frame (codes, dynamic parameters, side tensors): bitwise."""
+    for f in ref.frame_indices(layer):
+        for kind in "kv":
+            for h, theirs in enumerate(ref._frames[layer][f][kind]):
+                mine = fast_record(fast, layer, kind, f, h)
+                assert mine.keys() == theirs.keys()
+                for key in theirs:
+                    assert torch.equal(mine[key], theirs[key]), (step, layer, f, kind, h, key)
+
+
 FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
                  # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
                  # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
@@ -118,13 +129,7 @@ def test_per_frame_kinds_equal_the_reference(name, window, sink):
             want = ref.attend(layer, q, k, v, rope)
             torch.testing.assert_close(fast.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
             assert fast.frame_indices(layer) == ref.frame_indices(layer) == kept_frames(n, window, sink)
-            for f in ref.frame_indices(layer):
-                for kind in "kv":
-                    for h in range(H):
-                        mine, theirs = fast_record(fast, layer, kind, f, h), ref._frames[layer][f][kind][h]
-                        assert mine.keys() == theirs.keys()
-                        for key in theirs:  # codes, dynamic parameters, side tensors: bitwise
-                            assert torch.equal(mine[key], theirs[key]), (n, layer, f, kind, h, key)
+            assert_records_equal(fast, ref, layer, n)
             for a, b in zip(fast.read(layer), ref.read(layer)):
                 torch.testing.assert_close(a, b, atol=ATOL_KV, rtol=1e-6)
         assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(n, batch=B)
@@ -350,12 +355,8 @@ def test_per_frame_token_blocks_equal_the_reference(name):
             torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
                                        atol=ATOL_OUT, rtol=RTOL_OUT)
         assert fast.nbytes() == ref.nbytes()
-        for layer in range(2):  # stored codes and parameters: bitwise
-            for f in ref.frame_indices(layer):
-                for kind in "kv":
-                    for h in range(2):
-                        mine, theirs = fast_record(fast, layer, kind, f, h), ref._frames[layer][f][kind][h]
-                        assert all(torch.equal(mine[key], theirs[key]) for key in theirs), (f, layer, kind, h)
+        for layer in range(2):
+            assert_records_equal(fast, ref, layer, f)
     assert fast.stores[0].token_block == 8 and fast.stores[0].write_block == 8 and not fast.stores[0].single_block
 
 
