@@ -238,20 +238,26 @@ class FrameStore:
 
     def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None),
                 frames: list[int] | None = None) -> Tensor:
-        """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`: every stored tensor with a token
-        axis is cut to them; per-channel parameters are not), every head; `frames` (those slots'
+        """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`), every head; `frames` (those slots'
         frames) pick the span states of kind prq."""
-        pool = self.pools[name]
-        out = None
-        cut = tokens != slice(None)
         state = None
         if kind in self.spanned and name == "main":
             spans = self._index([self.span_slot[kind][span_of(self.specs[kind], f)] for f in frames])
             state = self.span_states[kind].index_select(2, spans)  # [B, H, J, stages, C, D]
-        for g, bufs in zip(self.groups[name][kind], pool.buffers[kind]):
-            x = g.decode({key: (t[:, :, :, tokens] if cut and t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
-                          for key, t in bufs.items()}, self.T, None if state is None else state[:, g.heads])
-            if len(self.groups[name][kind]) == 1:
+        return self._per_group(name, kind, slots, tokens,
+                               lambda g, stored: g.decode(stored, self.T, None if state is None else state[:, g.heads]))
+
+    def _per_group(self, name: str, kind: str, slots: Tensor, tokens: slice, read) -> Tensor:
+        """`read(group, stored)` of every group of heads of the pool's `slots`, heads put back in
+        order: [B, H, ...]. Every stored tensor with a token axis is cut to `tokens`; per-channel
+        parameters are not."""
+        cut = tokens != slice(None)
+        out = None
+        groups = self.groups[name][kind]
+        for g, bufs in zip(groups, self.pools[name].buffers[kind]):
+            x = read(g, {key: (t[:, :, :, tokens] if cut and t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
+                         for key, t in bufs.items()})
+            if len(groups) == 1:
                 return x
             if out is None:
                 out = x.new_empty(x.shape[0], self.H, *x.shape[2:])
@@ -334,15 +340,7 @@ class FrameStore:
 
     def _key_steps(self, name: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
         """Grid steps [B, H, J, Tb, D] of the keys in the pool's `slots` (the Jensen correction)."""
-        out = None
-        for g, bufs in zip(self.groups[name]["k"], self.pools[name].buffers["k"]):
-            cut = {key: (t[:, :, :, tokens] if t.dim() > 3 and t.shape[3] == self.T else t).index_select(2, slots)
-                   for key, t in bufs.items()}
-            steps = g.key_steps(cut, len(range(self.T)[tokens]))
-            if out is None:
-                out = steps.new_zeros(steps.shape[0], self.H, *steps.shape[2:])
-            out[:, g.heads] = steps
-        return out
+        return self._per_group(name, "k", slots, tokens, lambda g, stored: g.key_steps(stored, len(range(self.T)[tokens])))
 
     def bias_fn(self, q_BHTD: Tensor):
         """A block's third element -> additive logits: corrected heads [H] -> [B, H, T, 1] (minus the
