@@ -16,6 +16,8 @@ How to start the processes (DESIGN section 8):
 On CPU the state must be `accelerate.PartialState(cpu=True)`: `accelerate launch --cpu`
 starts a single process unless MPI is set up, while torchrun + `PartialState(cpu=True)`
 gives a gloo group whose collectives work. `state` may also be None (one process).
+Every process calls `finish` before it exits: a gloo group still alive at interpreter exit can
+abort the process (SIGABRT, "terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def shard(items: Sequence[T], state: Any) -> list[T]:
     """The items this process handles (all of them for state None or one process)."""
     rank, world = rank_and_world(state)
     return [items[i] for i in shard_indices(len(items), rank, world)]
+
+
+def finish(state: Any, ok: bool = True) -> None:
+    """Tear down the process group of `state` (no-op for None or one process).
+
+    After a successful run every rank waits for the others first, so no rank leaves while
+    another still talks to it; after a failure it only tears down its own end (the other
+    ranks may never arrive at a barrier).
+    """
+    if state is None or not dist.is_initialized():
+        return
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _comm_device(state: Any) -> torch.device:

@@ -144,17 +144,22 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
     state = distributed_state(device)
     if state is not None:
         device = state.device  # each process on its own GPU (cuda:<local rank>), or the CPU
-    model = load_world(cfg, device)
-    info = as_world(model).info
-    rank, _ = distributed.rank_and_world(state)
-    checkpoint = out_dir / f"stats.partial.rank{rank}.safetensors"
-    recorder = collect(cfg, model, device, state=state, checkpoint=checkpoint)
-    summary = report(recorder.stats)
-    if state is None or state.is_main_process:
-        recorder.save(out_dir / "stats.safetensors", asdict(info))
-        write_json(out_dir / "stats.json", summary)
-        plot_report(recorder.stats, out_dir / "stats.png")
-    checkpoint.unlink(missing_ok=True)
+    ok = False
+    try:
+        model = load_world(cfg, device)
+        info = as_world(model).info
+        rank, _ = distributed.rank_and_world(state)
+        checkpoint = out_dir / f"stats.partial.rank{rank}.safetensors"
+        recorder = collect(cfg, model, device, state=state, checkpoint=checkpoint)
+        summary = report(recorder.stats)
+        if state is None or state.is_main_process:
+            recorder.save(out_dir / "stats.safetensors", asdict(info))
+            write_json(out_dir / "stats.json", summary)
+            plot_report(recorder.stats, out_dir / "stats.png")
+        checkpoint.unlink(missing_ok=True)
+        ok = True
+    finally:
+        distributed.finish(state, ok)
     return {"stats": str(out_dir / "stats.safetensors"), "anchor_frames": summary["attention"]["anchor_frames"]}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from calibrate import stats as S
-from calibrate.distributed import reduce_queries, reduce_stats, shard, shard_indices
+from calibrate.distributed import finish, reduce_queries, reduce_stats, shard, shard_indices
 from calibrate.sample import QuerySample
 
 L, H, D, T = 2, 2, 8, 4
@@ -51,6 +51,8 @@ def _worker(out_dir: str) -> None:
     st = reduce_stats(st, state)
     qs = reduce_queries(qs, state)
     st.save(Path(out_dir) / f"rank{state.process_index}.safetensors", model={"world": 2}, samples={"q": qs})
+    finish(state)
+    assert not torch.distributed.is_initialized()
 
 
 def _free_port() -> int:
@@ -101,6 +103,31 @@ def test_two_gloo_processes_reduce_exactly(tmp_path):
         ids = q0.samples(layer)[:, 0, 0].long()
         assert ids.unique().numel() == 16
         assert ((ids // 1000 < NUM_TRAJECTORIES) & (ids % 1000 < NUM_FRAMES * T)).all()
+
+
+@pytest.mark.slow
+def test_torchrun_stats_cli_writes_the_single_process_statistics(tiny_weights, tmp_path):
+    """`torchrun --nproc_per_node 2 -m calibrate task=stats device=cpu` (the README's command):
+    both ranks exit 0 (each tears its gloo group down) and rank 0 writes the statistics a
+    single process writes, counts exactly."""
+    _, weights = tiny_weights
+    args = ["task=stats", "device=cpu", "trajectories=quick", "trajectories.num_frames=12", f"model.weights={weights}"]
+    runs = {"single": [sys.executable, "-m", "calibrate"],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "calibrate"]}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = {}
+    for name, cmd in runs.items():
+        run = subprocess.run([*cmd, *args, f"hydra.run.dir={tmp_path / name}"], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "terminate called" not in run.stderr
+        out[name] = S.load_stats(tmp_path / name / "stats.safetensors").stats.tensors
+    assert out["single"].keys() == out["torchrun"].keys()
+    for name, t in out["single"].items():
+        if t.dtype == torch.int64:
+            assert torch.equal(out["torchrun"][name], t), name
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
