@@ -72,12 +72,15 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
                 for f in kept:
                     if spec.kind == "predictive":
                         role = chain.frame_role(f, num_appended, kept_set, pol.recent_frames, spec.temporal)
-                        total += chain.frame_nbytes(role, spec.token_bits[h], spec.anchor_token_bits[h], batch, T, D)
-                        continue
-                    recent = pol.recent_frames and f >= num_appended - pol.recent_frames
-                    bits = pol.recent_bits if recent else final_bits(pol, spec, h, f)
-                    total += frame_nbytes(spec, bits, batch, T, D)
+                        total += head_frame_nbytes(spec, h, role, batch, T, D)
+                    else:
+                        total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
     return total + span_state_bytes(model, scheme, num_appended, window, sink_frames, batch)
+
+
+def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int, D: int) -> int:
+    """Bytes of one frame of one head of a predictive tensor held in chain `role` (chain.frame_role)."""
+    return chain.frame_nbytes(role, spec.token_bits[head], spec.anchor_token_bits[head], batch, T, D)
 
 
 def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_appended: int) -> int:

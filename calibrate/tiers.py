@@ -53,11 +53,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate import chain
 from calibrate.cache import Rope, kept_frames
 from calibrate.codec import frame_nbytes, span_of
-from calibrate.memory import (KINDS, STEADY_STATE_MARGIN, fp16_cache_bytes, fp16_frame_bytes, predicted_cache_bytes,
-                              steady_phases)
+from calibrate.memory import (KINDS, STEADY_STATE_MARGIN, fp16_cache_bytes, fp16_frame_bytes, head_frame_nbytes,
+                              predicted_cache_bytes, steady_phases)
 from calibrate.plan import POSE_COORDS, MemoryPlan, pose_distance
 from calibrate.recipe import Recipe, Scheme
 from calibrate.types import ModelInfo
@@ -78,8 +77,7 @@ def slot_nbytes(model: ModelInfo, scheme: Scheme, batch: int = 1) -> int:
             spec = getattr(pair, kind)
             for h in range(model.num_kv_heads):
                 if spec.kind == "predictive":
-                    role = "anchor" if spec.temporal else "delta"
-                    total += chain.frame_nbytes(role, spec.token_bits[h], spec.anchor_token_bits[h], batch, T, D)
+                    total += head_frame_nbytes(spec, h, "anchor" if spec.temporal else "delta", batch, T, D)
                 else:
                     total += frame_nbytes(spec, spec.bits_of(h), batch, T, D)
     return total
