@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration, pipeline
 from calibrate.cache import KVCache
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
@@ -199,13 +199,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    recording = pipeline.calibration_recording(cfg, model, device)  # one replay serves every variant
+    recording = calibration.calibration_recording(cfg, model, device)  # one replay serves every variant
     recipes, records = {}, {}
     for budget in budgets:
         for name, overrides in variants(args.comp_rank).items():
             label = _label(name, budget, budgets)
             fit_cfg = replace(cfg, fit=replace(cfg.fit, budget_bits=budget, **overrides))
-            recipe, record = pipeline.fit(fit_cfg, model, device, recording)
+            recipe, record = calibration.fit(fit_cfg, model, device, recording)
             save_recipe(recipe, Path(args.run_dir) / f"{label}.safetensors")
             recipes[label], records[label] = recipe, record
     eval_cfg = replace(cfg, trajectories=TrajectoriesConfig(split="evaluation", num_trajectories=args.trajectories,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration, pipeline
 from calibrate.adapters import as_world
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
@@ -189,10 +189,10 @@ def main(argv=None) -> int:
         return 2
     run_dir = Path(args.run_dir)
     recipes, records = {}, {}
-    recording = pipeline.calibration_recording(cfg, model, device)  # one replay serves every variant
+    recording = calibration.calibration_recording(cfg, model, device)  # one replay serves every variant
     for name in args.ablations.split(","):
         fit_cfg = replace(cfg, fit=replace(cfg.fit, **ABLATIONS[name]))
-        recipe, record = pipeline.fit(fit_cfg, model, device, recording)
+        recipe, record = calibration.fit(fit_cfg, model, device, recording)
         save_recipe(recipe, run_dir / f"{name}.safetensors")
         recipes[name], records[name] = recipe, record
     baselines = [b for b in args.baselines.split(",") if b]

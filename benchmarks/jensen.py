@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration, pipeline
 from calibrate.codec import fake_quant_heads
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     model = pipeline.load_world(cfg, device)
     info = model.info
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
-    traces = pipeline.layer_traces(pipeline.calibration_recording(cfg, model, device), window, sink, args.calib_trajectories)
+    traces = calibration.layer_traces(calibration.calibration_recording(cfg, model, device), window, sink, args.calib_trajectories)
     keys = [t.k for t in traces]
     recipes: dict[str, Recipe] = {}
     for cache in CACHES:

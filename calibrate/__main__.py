@@ -165,7 +165,7 @@ def write_records(cfg: DictConfig, config, out_dir: Path) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    from calibrate import pipeline
+    from calibrate import calibration, pipeline
     from calibrate.config import to_config
 
     config = to_config(cfg)
@@ -173,7 +173,7 @@ def run(cfg: DictConfig) -> dict:
         config.quant.budget_bits = config.fit.budget_bits  # a budget requested for a preset: it must meet it
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = getattr(pipeline, f"run_{config.task}", None)
+    task = calibration.run_calibrate if config.task == "calibrate" else getattr(pipeline, f"run_{config.task}", None)
     if task is None:
         raise ValueError(f"task '{config.task}' is not implemented yet")
     result = task(config, out_dir)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration
 from calibrate.adapters import as_world
 from calibrate.codec import HeadParams, fake_quant
 from calibrate.fit.compensate import fit_compensator, residual_mse
@@ -45,7 +45,7 @@ def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path, tiny_world):
     from calibrate.world.trajectories import make_trajectories
 
     model = tiny_world
-    recipe, record = pipeline.fit(tiny_fit_config(code="scalar", comp_rank=4), model, torch.device("cpu"))
+    recipe, record = calibration.fit(tiny_fit_config(code="scalar", comp_rank=4), model, torch.device("cpu"))
     save_recipe(recipe, tmp_path / "r.safetensors")
     loaded = load_recipe(tmp_path / "r.safetensors", as_world(model).info)
     kept = {(c["layer"], c["tensor"]) for c in record["compensators"]}

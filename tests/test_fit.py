@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration
 from calibrate.adapters import as_world
 from calibrate.fit.search import BudgetError
 from calibrate.memory import bits_per_element, fp16_cache_bytes
@@ -24,7 +24,7 @@ def model(tiny_world):
 
 @pytest.fixture(scope="module")
 def fitted(model):
-    return pipeline.fit(tiny_fit_config(code="scalar"), model, torch.device("cpu"))
+    return calibration.fit(tiny_fit_config(code="scalar"), model, torch.device("cpu"))
 
 
 def test_fitted_clip_no_worse_than_minmax(fitted):
@@ -65,18 +65,18 @@ def test_every_choice_recorded_and_recipe_runs(fitted, model, tmp_path):
 
 
 def test_same_config_and_seed_give_identical_bytes(fitted, model):
-    again, _ = pipeline.fit(tiny_fit_config(code="scalar"), model, torch.device("cpu"))
+    again, _ = calibration.fit(tiny_fit_config(code="scalar"), model, torch.device("cpu"))
     assert to_bytes(again) == to_bytes(fitted[0])
 
 
 def test_budget_below_two_bit_codes_is_refused(model):
     with pytest.raises(BudgetError, match="budget_bits"):
-        pipeline.fit(tiny_fit_config(code="scalar", budget_bits=1.5), model, torch.device("cpu"))
+        calibration.fit(tiny_fit_config(code="scalar", budget_bits=1.5), model, torch.device("cpu"))
 
 
 def test_mixed_precision_spends_budget_only_where_it_helps(fitted, model):
     recipe, record = fitted
-    off, off_record = pipeline.fit(tiny_fit_config(code="scalar", mixed_precision=False), model, torch.device("cpu"))
+    off, off_record = calibration.fit(tiny_fit_config(code="scalar", mixed_precision=False), model, torch.device("cpu"))
     assert off_record["upgrades"] == []
     assert bits_per_element(off.model, off.scheme, 16, 1) <= bits_per_element(recipe.model, recipe.scheme, 16, 1) + 1e-9
     assert all(u["gain"] > 0 for u in record["upgrades"])

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from calibrate import pipeline
+from calibrate import calibration
 from calibrate.adapters import as_world
 from calibrate.fit.predictive_search import BudgetError
 from calibrate.memory import fp16_cache_bytes
@@ -26,7 +26,7 @@ def model(tiny_world):
 
 @pytest.fixture(scope="module")
 def fitted(model):
-    return pipeline.fit(tiny_fit_config(), model, CPU)
+    return calibration.fit(tiny_fit_config(), model, CPU)
 
 
 def test_every_tensor_is_predictive_with_pre_rotary_keys(fitted):
@@ -65,13 +65,13 @@ def test_record_says_what_was_chosen_and_recipe_round_trips(fitted, model, tmp_p
 
 
 def test_same_config_and_seed_give_identical_bytes(fitted, model):
-    again, _ = pipeline.fit(tiny_fit_config(), model, CPU)
+    again, _ = calibration.fit(tiny_fit_config(), model, CPU)
     assert to_bytes(again) == to_bytes(fitted[0])
 
 
 def test_mixed_precision_only_adds_bits_within_the_budget(fitted, model):
     _, record = fitted
-    off, off_record = pipeline.fit(tiny_fit_config(mixed_precision=False), model, CPU)
+    off, off_record = calibration.fit(tiny_fit_config(mixed_precision=False), model, CPU)
     assert off_record["upgrades"] == []
     assert off_record["bits_per_element"] <= record["bits_per_element"] <= 2.5 + 1e-9
     assert all(u["gain"] > 0 for u in record["upgrades"])
@@ -79,7 +79,7 @@ def test_mixed_precision_only_adds_bits_within_the_budget(fitted, model):
 
 def test_a_budget_no_code_can_meet_is_refused(model):
     with pytest.raises(BudgetError, match="budget_bits"):
-        pipeline.fit(tiny_fit_config(budget_bits=1.0), model, CPU)
+        calibration.fit(tiny_fit_config(budget_bits=1.0), model, CPU)
 
 
 @pytest.mark.parametrize("override,check", [
@@ -90,5 +90,5 @@ def test_a_budget_no_code_can_meet_is_refused(model):
                                                     - r.tensor(1, "v", "channel_bits").amin(-1) <= 1).all())),
 ])
 def test_ablation_switches_change_what_they_say(model, override, check):
-    recipe, _ = pipeline.fit(tiny_fit_config(mixed_precision=False, **override), model, CPU)
+    recipe, _ = calibration.fit(tiny_fit_config(mixed_precision=False, **override), model, CPU)
     assert check(recipe)

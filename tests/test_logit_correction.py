@@ -186,13 +186,13 @@ def test_correction_has_no_effect_at_eight_bits(world):
 
 # ---- the fitter ---------------------------------------------------------------------------------
 def test_fitter_keeps_the_correction_only_where_it_lowers_the_objective(tmp_path, tiny_world):
-    from calibrate import pipeline
+    from calibrate import calibration
     from calibrate.fit.logit_correction import ALPHAS
     from calibrate.recipe import load_recipe, save_recipe
 
     model = tiny_world
-    off, off_record = pipeline.fit(tiny_fit_config(code="scalar", logit_correction=False), model, torch.device("cpu"))
-    recipe, record = pipeline.fit(tiny_fit_config(code="scalar", logit_correction=True), model, torch.device("cpu"))
+    off, off_record = calibration.fit(tiny_fit_config(code="scalar", logit_correction=False), model, torch.device("cpu"))
+    recipe, record = calibration.fit(tiny_fit_config(code="scalar", logit_correction=True), model, torch.device("cpu"))
     assert off_record["logit_correction"] == [] and not [n for n in off.tensors if n.endswith("logit_bias")]
     assert len(record["logit_correction"]) == TINY_WORLD.num_layers
     for entry in record["logit_correction"]:

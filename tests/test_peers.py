@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibrate import gate, pipeline
+from calibrate import calibration, gate, pipeline
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.memory import bits_per_element
 from calibrate.recipe import load_recipe
@@ -55,7 +55,7 @@ def test_preset_calibrates_loads_runs_and_passes_its_check(name, tmp_path, monke
     monkeypatch.setattr(gate, "check_trajectories", lambda cfg: replace(cfg, trajectories=SMALL_CHECK))
     cfg = _config("calibrate")
     cfg.quant = replace(cfg.quant, preset=name)
-    out = pipeline.run_calibrate(cfg, tmp_path / "cal")
+    out = calibration.run_calibrate(cfg, tmp_path / "cal")
     recipe = load_recipe(out["recipe"])
     assert recipe.scheme.name == name and recipe.section("metrics")["check"]
     report = json.loads((tmp_path / "cal" / "report.json").read_text())
@@ -76,12 +76,12 @@ def test_budget_check_of_presets():
     cfg = Config(task="calibrate")
     for name in PEERS:
         cfg.quant = replace(cfg.quant, preset=name, budget_bits=BITS[name])
-        pipeline.check_preset_budget(cfg, info)  # exactly at its own bits: fine
+        calibration.check_preset_budget(cfg, info)  # exactly at its own bits: fine
     cfg.quant = replace(cfg.quant, preset="jensen2", budget_bits=2.5)
     with pytest.raises(ValueError, match=r"preset 'jensen2' needs 3.250 bits.*qvg2 \(2.49\)"):
-        pipeline.check_preset_budget(cfg, info)
+        calibration.check_preset_budget(cfg, info)
     cfg.quant = replace(cfg.quant, preset="kivi2", budget_bits=None)  # no budget requested: no check
-    pipeline.check_preset_budget(cfg, info)
+    calibration.check_preset_budget(cfg, info)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibrate import pipeline, replay
+from calibrate import calibration, pipeline, replay
 from calibrate.adapters import as_world
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
 from calibrate.recipe import load_recipe, save_recipe
@@ -264,7 +264,7 @@ def test_fit_twice_gives_byte_identical_recipe_files(model, tmp_path):
                       sample_tokens=128, clip_grid=[1.0, 0.8], rotations=["none", "hadamard"])
     paths = []
     for name in ("a", "b"):
-        recipe, _ = pipeline.fit(cfg, model, CPU)
+        recipe, _ = calibration.fit(cfg, model, CPU)
         save_recipe(recipe, tmp_path / f"{name}.safetensors")
         paths.append(tmp_path / f"{name}.safetensors")
     assert paths[0].read_bytes() == paths[1].read_bytes()
@@ -287,7 +287,7 @@ def test_thread_count_does_not_change_the_recipe_or_the_rollouts(model):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            recipe, _ = pipeline.fit(cfg, model, CPU)
+            recipe, _ = calibration.fit(cfg, model, CPU)
             run = evaluate(as_world(model), {"fitted": recipe}, trajs, 16, 1, CPU, keep_frames=True)["fitted"]
             out.append((to_bytes(recipe), run.frames[0]["reference"], run.frames[0]["quantized"]))
     finally:
