@@ -481,26 +481,31 @@ def span_state_nbytes(spec: TensorSpec, B: int, D: int) -> int:
 
 
 # ---- key steps: what the Jensen-bias correction reads from a stored frame (quant/jensen.py) ----
-def key_steps(stored: dict[str, Tensor], spec: TensorSpec, p: HeadParams, T: int, D: int) -> Tensor:
-    """Grid step [B, T, D] of every stored element in the code basis (after the rotation): the
+def key_steps(stored: dict[str, Tensor], spec: TensorSpec, p: HeadParams, T: int, D: int,
+              outlier_idx: Tensor | None = None) -> Tensor:
+    """Grid step [..., T, D] of every stored element in the code basis (after the rotation): the
     scale of its uniform group (kind "uniform": dynamic per token/group or per channel, or the
     static per-channel scale; kind "prq": the FP8 residual scale); 0 where a value is exact
-    (a float16 frame, outlier channels, sparse entries)."""
+    (a float16 frame, outlier channels, sparse entries).
+
+    The stored tensors may have any leading axes (one head's frame: [B]; quant/headcodec.py: a
+    group's [B, Hg, J], with `p` and `outlier_idx`, its heads' outlier channels [..., n], shaped
+    to broadcast over them; default `p.outlier_channels_n`)."""
     if "fp16" in stored:
         return torch.zeros_like(stored["fp16"], dtype=torch.float32)
-    B = stored["codes"].shape[0]
+    lead = stored["codes"].shape[:-2]
     if spec.kind not in ("uniform", "prq"):
         raise ValueError(f"kind {spec.kind!r} has no uniform step (the Jensen correction needs kind uniform or prq)")
     if spec.axis == "channel" and spec.static:
-        step = p.scale_D.float().expand(B, T, D)
+        step = p.scale_D.float().expand(*lead, T, D)
     elif spec.axis == "channel":
-        step = stored["p_scale"].float().expand(B, T, D)
+        step = stored["p_scale"].float().expand(*lead, T, D)
     else:
         G = spec.group_size or D
-        step = stored["p_scale"].float().reshape(B, T, D // G, 1).expand(B, T, D // G, G).reshape(B, T, D)
-    step = step.clone()
-    if "outliers" in stored:
-        step[..., p.outlier_channels_n] = 0.0
+        step = stored["p_scale"].float().reshape(*lead, T, D // G, 1).expand(*lead, T, D // G, G).reshape(*lead, T, D)
+    idx = p.outlier_channels_n if outlier_idx is None else outlier_idx
+    if idx is not None:
+        step = step.scatter(-1, idx.expand(*lead, T, idx.shape[-1]), 0.0)
     if "sparse_idx" in stored:
-        step = step.reshape(B, T * D).scatter(-1, stored["sparse_idx"].long(), 0.0).reshape(B, T, D)
-    return step
+        step = step.reshape(*lead, T * D).scatter(-1, stored["sparse_idx"].long(), 0.0).reshape(*lead, T, D)
+    return step.contiguous()

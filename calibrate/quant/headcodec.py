@@ -142,24 +142,8 @@ class GroupCodec:
     def key_steps(self, stored: dict[str, Tensor], T: int) -> Tensor:
         """codec.key_steps with a head axis: the grid step [B, Hg, J, T, D] of every stored element of
         stored tensors [B, Hg, J, ...] (T tokens each; 0 where exact), for the Jensen correction."""
-        lead = stored["fp16" if self.bits >= 16 else "codes"].shape[:3]
-        D = self.D
-        if self.bits >= 16:
-            return torch.zeros(*lead, T, D, device=stored["fp16"].device)
-        spec, p = self.spec, self.dec
-        if spec.kind not in ("uniform", "prq"):
-            raise ValueError(f"kind {spec.kind!r} has no uniform step (the Jensen correction needs kind uniform or prq)")
-        if spec.axis == "channel" and spec.static:
-            step = p.scale_D.float().expand(*lead, T, D)
-        elif spec.axis == "channel":
-            step = stored["p_scale"].float().expand(*lead, T, D)
-        else:
-            G = spec.group_size or D
-            step = stored["p_scale"].float().reshape(*lead, T, D // G, 1).expand(*lead, T, D // G, G).reshape(*lead, T, D)
-        if self.outlier_idx is not None:  # exact channels
-            idx = self.outlier_idx[None, :, None, None, :].expand(*lead, T, -1)
-            step = step.scatter(-1, idx, 0.0)
-        return step.contiguous()
+        idx = None if self.outlier_idx is None else self.outlier_idx[None, :, None, None, :]
+        return codec.key_steps(stored, self.spec, self.dec, T, self.D, outlier_idx=idx)
 
     @staticmethod
     def _levels_at(codes: Tensor, levels: Tensor) -> Tensor:
