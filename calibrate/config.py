@@ -10,7 +10,7 @@ Fields with a fixed set of values are plain strings checked against a tuple besi
 (`TASKS`, `MODELS`, `SPLITS`, ...): OmegaConf's structured configs accept no `Literal`, and an
 `Enum` would change the resolved config that runs write and recipes record.
 
-Models own their settings (`WanSettings`, `TrainConfig`); this module only names them.
+Models own their settings (`WanSettings`, `TrainConfig`, `WanTrainConfig`); this module only names them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from calibrate.adapters.wan_diffusers import WanSettings
 from calibrate.fastcache import RUNTIMES
 from calibrate.types import ALL_FAMILIES, FAMILIES
+from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.world.train_config import TrainConfig
 
 # the top-level conf/ of a source checkout, else the copy a regular install places in the package
@@ -33,7 +34,9 @@ _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf"
 
 TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
-MODELS = ("tinyworld", "wan_diffusers")
+MODELS = ("tinyworld", "wan_diffusers", "wanworld")
+WAN_MODELS = ("wan_diffusers", "wanworld")  # rolled out by adapters/wan_diffusers.py (model.wan)
+TRAINABLE = ("tinyworld", "wanworld")  # task=train_world
 DEVICES = "auto, cpu or cuda[:N]"
 SPLITS = ("auto", "train", "calibration", "evaluation")
 ROTATIONS = ("none", "hadamard", "learned")
@@ -60,9 +63,9 @@ class CacheConfig:
 @dataclass
 class ModelConfig:
     name: str = "tinyworld"  # one of MODELS
-    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
+    weights: str | None = None  # tinyworld, wanworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers (adapters/wan_diffusers.py)
+    wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers or wanworld (adapters/wan_diffusers.py)
 
     def check(self) -> None:
         if self.name not in MODELS:
@@ -250,6 +253,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    train_wan: WanTrainConfig = field(default_factory=WanTrainConfig)  # task=train_world model=wanworld
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
@@ -276,19 +280,20 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: device must be {DEVICES}, got '{cfg.device}'")
     cfg.model.check()
     w = cfg.model.wan
-    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
+    if cfg.model.name in WAN_MODELS and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
         raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide "
                          f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
+    cfg.train_wan.check()
     cfg.memory.check()
     if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
         raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
                          "use eval.runtime=auto with memory.device_budget")
-    if cfg.task == "train_world" and cfg.model.name != "tinyworld":
-        raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
+    if cfg.task == "train_world" and cfg.model.name not in TRAINABLE:
+        raise ValueError(f"config: task=train_world trains model=tinyworld or model=wanworld, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:

@@ -181,7 +181,7 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     (["model.weights=/no/such/dir"], "is not a diffusers model directory"),
     (["model.wan.chunk_frames=5"], "does not divide"),
     (["model.wan.dtype=float8"], "model.wan.dtype"),
-    (["task=train_world"], "trains TinyWorld only"),
+    (["task=train_world"], "trains model=tinyworld or model=wanworld"),
 ])
 def test_cli_bad_wan_input_is_one_line(tmp_path, args, message):
     run = calibrate("task=stats", *SMALL, *args, f"hydra.run.dir={tmp_path}")
