@@ -31,8 +31,10 @@ A Wan trained as a world model of a renderer (WanWorld, calibrate/wanworld/) pas
 `WorldInputs` instead of the text embedding: per chunk, its cross-attention tokens come from
 the chunk's camera (`context`: the same `encoder_hidden_states` input, filled per chunk); the
 rollout starts from the true first chunk, written to the cache by a clean pass as an
-image-conditioned model's given frame; generated chunks are clamped to the latents' range; and
-the true latent frames and an RGB preview come from it.
+image-conditioned model's given frame; its frames are latents the transformer reads normalized
+(`normalize` / `denormalize`, as pipelines normalize VAE latents), and each generated chunk is
+denormalized, clamped to the frames' range and normalized again before its clean pass caches
+it; the true frames and an RGB preview come from it.
 
 Weights: `model.weights` is a diffusers model directory (`config.json` and
 `diffusion_pytorch_model*.safetensors`, e.g. the `transformer/` folder of
@@ -164,7 +166,15 @@ class WorldInputs(Protocol):
     """What makes a Wan a world model of a renderer (WanWorld's: calibrate/wanworld/model.py)."""
 
     weights: torch.nn.Module  # every learned weight of the world model, transformer included (the fingerprint)
-    bounds: tuple[float, float]  # generated latents are clamped to this range before they are cached
+    bounds: tuple[float, float]  # generated frames are clamped to this range before they are cached
+
+    def normalize(self, frames: Tensor) -> Tensor:
+        """Frames (what the rollout returns) -> the transformer's latents (as pipelines normalize VAE latents)."""
+        ...
+
+    def denormalize(self, x: Tensor) -> Tensor:
+        """The transformer's latents -> frames (the inverse of `normalize`)."""
+        ...
 
     def context(self, trajs: list[Trajectory], device: torch.device) -> Tensor:
         """Per chunk cross-attention tokens, [B, num_chunks, L, text_dim] (in place of the text embedding)."""
@@ -277,9 +287,10 @@ class WanAdapter:
             context = list(self.world.context(trajs, device).unbind(1))
             if truth is None:
                 truth = self.world.ground_truth(trajs, device, None if teacher_forced else cf)
-            given = truth[:, :cf].to(device, torch.float32).permute(0, 2, 1, 3, 4)  # [B, C, F, H, W]
-            self.forward_chunk(cache, given, 0, 0.0, commit=True, context_BLD=context[0])
-            chunks.append(given.permute(0, 2, 1, 3, 4))
+            given = truth[:, :cf].to(device, torch.float32)  # [B, F, C, H, W]
+            self.forward_chunk(cache, self.world.normalize(given).transpose(1, 2), 0, 0.0, commit=True,
+                               context_BLD=context[0])
+            chunks.append(given)
             start = 1
             if progress is not None:
                 progress(cf)
@@ -289,13 +300,13 @@ class WanAdapter:
                 flow = self.forward_chunk(cache, x, c * cf, sigma * 1000, commit=False, context_BLD=context[c]).float()
                 x0 = x - sigma * flow
                 x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise() if i + 1 < len(sigmas) else x0
-            if self.world is not None:
-                x0 = x0.clamp(*self.world.bounds)
+            frames = x0.transpose(1, 2)  # [B, F, C, H, W]
             cached = x0
-            if teacher_forced:
-                cached = truth[:, c * cf : (c + 1) * cf].to(device, torch.float32).permute(0, 2, 1, 3, 4)
+            if self.world is not None:
+                frames = self.world.denormalize(frames).clamp(*self.world.bounds)
+                given = truth[:, c * cf : (c + 1) * cf].to(device, torch.float32) if teacher_forced else frames
+                cached = self.world.normalize(given).transpose(1, 2)
             self.forward_chunk(cache, cached, c * cf, 0.0, commit=True, context_BLD=context[c])  # the clean pass writes the cache
-            frames = x0.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W]
             chunks = chunks + [frames] if keep_frames else [frames[:, -1:]]
             if progress is not None:
                 progress(cf)

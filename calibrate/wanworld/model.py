@@ -8,11 +8,12 @@ latents' range and an RGB preview.
 
 How a rollout runs (adapters/wan_diffusers.py, `WanAdapter.rollout`), one latent frame per chunk:
 
-1. chunk 0 is the true first frame, encoded (`latents.py`) and written to the cache by a clean
-   pass at timestep 0, as an image-conditioned world model is given its first frame;
+1. chunk 0 is the true first frame, encoded and normalized (`latents.py`) and written to the
+   cache by a clean pass at timestep 0, as an image-conditioned world model is given its first frame;
 2. every later chunk starts from seeded noise and runs the few-step flow-matching sampler of
    Self-Forcing (timesteps 1000, 750, 500, 250 shifted by 5: sigma 1, 0.94, 0.83, 0.63), reading
-   the cache without writing; the result is clamped to [0, 1] and a clean pass writes its K/V.
+   the cache without writing; the result is denormalized and clamped to the pixels' [0, 1] (the
+   frame the rollout returns), and a clean pass of it, normalized again, writes its K/V.
 
 The model is trained at exactly those sigmas (`teacher.py`, `train.py`), so the sampler needs
 no schedule it has not seen.
@@ -93,6 +94,12 @@ class WanWorldInputs:
 
     def ground_truth(self, trajs: list[Trajectory], device: torch.device, num_frames: int | None = None) -> Tensor:
         return true_latents(trajs, num_frames).to(device)
+
+    def normalize(self, frames: Tensor) -> Tensor:
+        return latents.normalize(frames)
+
+    def denormalize(self, x: Tensor) -> Tensor:
+        return latents.denormalize(x)
 
     def preview(self, frames: Tensor) -> Tensor:
         return latents.decode(frames.float()).clamp(0, 1)

@@ -6,7 +6,7 @@ every frame i >= 1, a noisy copy x_s = (1 - s) x_i + s * noise at a noise level 
 sampler's (`denoise_timesteps` shifted by `shift`: the few-step generator of Self-Forcing is
 trained at its own steps the same way). The loss is the MSE of the predicted clean frame
 x_s - s * flow against x_i (flow matching's velocity loss weighted by s^2), over the noisy
-copies. The block-causal masks make each noisy copy see exactly what the rollout's denoising
+copies, in the transformer's normalized latents (`latents.normalize`: pixel MSE / 0.13^2). The block-causal masks make each noisy copy see exactly what the rollout's denoising
 pass of frame i sees, so the loss trains the computation the rollout runs.
 
 Clips: a share `revisit_share` from `revisit` (turn away and come back: the returning view can
@@ -116,13 +116,14 @@ def own_rollout(adapter: WanAdapter, b: dict, cfg: WanTrainConfig) -> torch.Tens
 
 # ---- one step ---------------------------------------------------------------------------------
 def loss_of(model: WanWorld, b: dict, clean: torch.Tensor, cfg: WanTrainConfig, step: int) -> torch.Tensor:
-    """The teacher-forced loss of one batch (`clean`: the frames the cache would hold)."""
+    """The teacher-forced loss of one batch (`clean`: the frames the cache would hold, pixel latents)."""
     B, N = clean.shape[:2]
     sig = torch.tensor(shifted_sigmas(cfg.denoise_timesteps, cfg.shift))
     gen = torch.Generator().manual_seed(cfg.seed * 7_000_003 + step)
     s_BM = sig[torch.randint(len(sig), (B, N - 1), generator=gen)]
     noise = torch.randn(clean[:, 1:].shape, generator=gen)
-    x0 = b["latents"][:, 1:]
+    clean = latents.normalize(clean)
+    x0 = latents.normalize(b["latents"][:, 1:])
     s = s_BM[..., None, None, None]
     noisy = (1 - s) * x0 + s * noise
     context = model.camera(b["poses"], b["actions"])
@@ -208,13 +209,14 @@ def train(cfg: WanTrainConfig, out_dir: Path, resume: bool = True) -> WanWorld:
         settings = WanSettings(chunk_frames=model.chunk_frames, latent_height=LATENT_SIZE, latent_width=LATENT_SIZE,
                                denoise_timesteps=list(cfg.denoise_timesteps), shift=cfg.shift)
         adapter = WanAdapter(model.transformer, settings, None, name="wanworld", world=WanWorldInputs(model))
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()  # wall and CPU seconds of this process (the log's wall_s, cpu_s)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train_world wanworld")
     with open(out_dir / "loss.jsonl", "a") as loss_log:
         for step in bar:
             loss = train_step(model, opt, step, cfg, adapter)
             losses.append(round(loss, 6))
-            loss_log.write(json.dumps({"step": step, "loss": loss, "lr": lr_at(step, cfg), "time": round(time.time() - t0, 1)}) + "\n")
+            loss_log.write(json.dumps({"step": step, "loss": loss, "lr": lr_at(step, cfg), "wall_s": round(time.time() - t0, 1),
+                                       "cpu_s": round(time.process_time() - c0, 1)}) + "\n")
             bar.set_postfix(loss=f"{loss:.5f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 loss_log.flush()

@@ -17,12 +17,12 @@ MOTION_FAMILIES = ("orbit", "dolly", "pan", "random_walk", "stress", "static")
 class WanTrainConfig:
     """Training schedule of WanWorld (`task=train_world model=wanworld`)."""
 
-    steps: int = 1500  # optimizer steps in total (a resumed run continues up to this)
+    steps: int = 1400  # optimizer steps in total (a resumed run continues up to this)
     batch_size: int = 6  # clips per step
     clip_frames: int = 12  # frames per clip: a given first (sink) frame + clip_frames - 1 predicted
     lr: float = 5e-4
     weight_decay: float = 0.01
-    warmup_steps: int = 100  # linear lr warmup, then cosine to 10% at `steps`
+    warmup_steps: int = 30  # linear lr warmup, then cosine to 10% at `steps`
     revisit_share: float = 0.4  # share of clips from the `revisit` family
     motion_families: list[str] = field(default_factory=lambda: list(MOTION_FAMILIES))  # the other clips, drawn
     # uniformly from this list (name a family twice to double its share)
@@ -30,9 +30,9 @@ class WanTrainConfig:
     max_offset: int = 1024  # the first (sink) frame stays frame 0, the rest start at frame 1 + U[1, max_offset]
     window: int = 16  # cache window the model trains under (frames)
     sink_frames: int = 1
-    self_forcing_start: int = 10**9  # first step that may replace a clip's frames by the model's own rollout
-    self_forcing_max: float = 0.0  # share of self-forced steps once ramped up
-    self_forcing_ramp: int = 1  # steps from start to max
+    self_forcing_start: int = 300  # first step that may replace a clip's frames by the model's own rollout
+    self_forcing_max: float = 0.5  # share of self-forced steps once ramped up (0 = teacher forcing only)
+    self_forcing_ramp: int = 300  # steps from start to max
     checkpoint_every: int = 25
     seed: int = 0  # offset into the training seed range
     num_threads: int = 0  # torch threads (0 = torch default)
