@@ -173,3 +173,26 @@ def test_clips_keep_the_sink_frame_and_skip_the_frame_without_a_predecessor():
             assert b["positions"][i, 1] == o + 1 and b["weight"][i, 1] == 0 and b["weight"][i, 2:].eq(1).all()
         else:
             assert torch.equal(b["positions"][i], torch.arange(4)) and b["weight"][i].eq(1).all()
+
+
+def test_cli_trains_and_the_weights_load_as_model_wanworld(tmp_path):
+    """`task=train_world model=wanworld` (a tiny config, 2 steps) writes weights `model=wanworld` loads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(PYTHONPATH=f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    tiny = ",".join(f"{k}:{v}" for k, v in TINY.items())
+    run = subprocess.run([sys.executable, "-m", "calibrate", "task=train_world", "model=wanworld", "train_wan.steps=2",
+                          "train_wan.batch_size=1", "train_wan.clip_frames=3", "train_wan.denoise_timesteps=[1000,500]",
+                          f"++train_wan.model={{{tiny}}}", "++train_wan.camera={tokens:2,hidden:16}",
+                          f"hydra.run.dir={tmp_path}"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    adapter = load_adapter(ModelConfig(name="wanworld", weights=str(tmp_path / "wanworld.safetensors"), wan=SETTINGS), CPU)
+    assert adapter.info.head_dim == 24
+    _, meta = load_weights(tmp_path / "wanworld.safetensors")
+    assert json.loads(meta["sampler"])["denoise_timesteps"] == [1000, 500]
+    assert json.loads(meta["train_config"])["steps"] == 2
