@@ -1,19 +1,19 @@
 """WanWorld's architecture and what it hands the `wan_diffusers` adapter.
 
-`WanWorld` holds diffusers' `WanTransformer3DModel` (a small configuration, `ARCHITECTURE`)
-and the camera module (`camera.py`); one module, so one state dict, one optimizer and one
-fingerprint cover both. `WanWorldInputs` is the adapter's `WorldInputs`: per-chunk camera
+`WanWorld` holds diffusers' `WanTransformer3DModel` (a small configuration, `ARCHITECTURE`),
+the camera module (`camera.py`) and the latent whitening (`latents.py`); one module, so one
+state dict, one optimizer and one fingerprint cover them. `WanWorldInputs` is the adapter's `WorldInputs`: per-chunk camera
 tokens, the true latent frames from the renderer (the first chunk starts every rollout), the
 latents' range and an RGB preview.
 
 How a rollout runs (adapters/wan_diffusers.py, `WanAdapter.rollout`), one latent frame per chunk:
 
-1. chunk 0 is the true first frame, encoded and normalized (`latents.py`) and written to the
+1. chunk 0 is the true first frame, encoded and whitened (`latents.py`) and written to the
    cache by a clean pass at timestep 0, as an image-conditioned world model is given its first frame;
 2. every later chunk starts from seeded noise and runs the few-step flow-matching sampler of
    Self-Forcing (timesteps 1000, 750, 500, 250 shifted by 5: sigma 1, 0.94, 0.83, 0.63), reading
-   the cache without writing; the result is denormalized and clamped to the pixels' [0, 1] (the
-   frame the rollout returns), and a clean pass of it, normalized again, writes its K/V.
+   the cache without writing; the result is mapped back to pixels and clamped to [0, 1] (the
+   frame the rollout returns), and a clean pass of it, whitened again, writes its K/V.
 
 The model is trained at exactly those sigmas (`teacher.py`, `train.py`), so the sampler needs
 no schedule it has not seen.
@@ -46,17 +46,20 @@ class WanWorldConfig:
 
     transformer: dict = field(default_factory=lambda: dict(ARCHITECTURE))  # WanTransformer3DModel(**transformer)
     camera: CameraConfig = field(default_factory=CameraConfig)
+    latents: str = "whitened"  # the transformer's latents: latents.KINDS
 
     def to_dict(self) -> dict:
-        return {"transformer": dict(self.transformer), "camera": asdict(self.camera)}
+        return {"transformer": dict(self.transformer), "camera": asdict(self.camera), "latents": self.latents}
 
     @classmethod
     def from_dict(cls, d: dict) -> "WanWorldConfig":
-        return cls(transformer={**ARCHITECTURE, **d.get("transformer", {})}, camera=CameraConfig(**d.get("camera", {})))
+        return cls(transformer={**ARCHITECTURE, **d.get("transformer", {})}, camera=CameraConfig(**d.get("camera", {})),
+                   latents=d.get("latents", "whitened"))
 
 
 class WanWorld(nn.Module):
-    """diffusers' Wan + the camera module whose tokens it reads through cross-attention."""
+    """diffusers' Wan + the camera module whose tokens it reads through cross-attention + the fixed
+    map between latents and the transformer's latents (fitted once before training)."""
 
     def __init__(self, cfg: WanWorldConfig):
         super().__init__()
@@ -65,6 +68,7 @@ class WanWorld(nn.Module):
         self.cfg = cfg
         self.transformer = WanTransformer3DModel(**cfg.transformer)
         self.camera = CameraTokens(cfg.camera, self.transformer.config.text_dim)
+        self.latents = latents.LatentWhitening(cfg.latents)
 
     @property
     def chunk_frames(self) -> int:
@@ -85,6 +89,7 @@ class WanWorldInputs:
     def __init__(self, model: WanWorld):
         self.weights = model
         self.camera = model.camera
+        self.whitening = model.latents
 
     @torch.no_grad()
     def context(self, trajs: list[Trajectory], device: torch.device) -> Tensor:
@@ -96,10 +101,10 @@ class WanWorldInputs:
         return true_latents(trajs, num_frames).to(device)
 
     def normalize(self, frames: Tensor) -> Tensor:
-        return latents.normalize(frames)
+        return self.whitening.normalize(frames)
 
     def denormalize(self, x: Tensor) -> Tensor:
-        return latents.denormalize(x)
+        return self.whitening.denormalize(x)
 
     def preview(self, frames: Tensor) -> Tensor:
         return latents.decode(frames.float()).clamp(0, 1)

@@ -5,8 +5,9 @@ through `teacher.clip_forward` in one forward: the clean frames 0..N-1 at timest
 every frame i >= 1, a noisy copy x_s = (1 - s) x_i + s * noise at a noise level s drawn from the
 sampler's (`denoise_timesteps` shifted by `shift`: the few-step generator of Self-Forcing is
 trained at its own steps the same way). The loss is the MSE of the predicted clean frame
-x_s - s * flow against x_i (flow matching's velocity loss weighted by s^2), over the noisy
-copies, in the transformer's normalized latents (`latents.normalize`: pixel MSE / 0.13^2). The block-causal masks make each noisy copy see exactly what the rollout's denoising
+x_s - s * flow against x_i, over the noisy copies, mapped back to pixels: the pixel MSE (flow
+matching's velocity loss weighted by s^2 and by the whitening's inverse; any fixed positive
+weighting has the same minimizer, the posterior mean, and this one is what the metrics score). The block-causal masks make each noisy copy see exactly what the rollout's denoising
 pass of frame i sees, so the loss trains the computation the rollout runs.
 
 Clips: a share `revisit_share` from `revisit` (turn away and come back: the returning view can
@@ -56,8 +57,18 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "wanworld-checkpoint"
 
 
+WHITENING_CLIPS = 64  # training clips (of the default schedule) the latent whitening is fitted on
+
+
 def model_config(cfg: WanTrainConfig) -> WanWorldConfig:
-    return WanWorldConfig(transformer={**ARCHITECTURE, **cfg.model}, camera=CameraConfig(**cfg.camera))
+    return WanWorldConfig(transformer={**ARCHITECTURE, **cfg.model}, camera=CameraConfig(**cfg.camera), latents=cfg.latents)
+
+
+def fit_whitening(model: WanWorld) -> None:
+    """Fit the latent whitening on the first `WHITENING_CLIPS` clips of the default schedule (a
+    fixed set of training rooms, whatever the run's own seed and mix)."""
+    default = WanTrainConfig()
+    model.latents.fit(torch.stack([clip(default, c)["latents"] for c in range(WHITENING_CLIPS)]))
 
 
 def sampler(cfg: WanTrainConfig, model: WanWorld) -> dict:
@@ -122,14 +133,16 @@ def loss_of(model: WanWorld, b: dict, clean: torch.Tensor, cfg: WanTrainConfig, 
     gen = torch.Generator().manual_seed(cfg.seed * 7_000_003 + step)
     s_BM = sig[torch.randint(len(sig), (B, N - 1), generator=gen)]
     noise = torch.randn(clean[:, 1:].shape, generator=gen)
-    clean = latents.normalize(clean)
-    x0 = latents.normalize(b["latents"][:, 1:])
+    clean = model.latents.normalize(clean)
+    x0 = model.latents.normalize(b["latents"][:, 1:])
     s = s_BM[..., None, None, None]
     noisy = (1 - s) * x0 + s * noise
     context = model.camera(b["poses"], b["actions"])
     _, flow = clip_forward(model.transformer, clean, noisy, list(range(1, N)), s_BM * 1000, b["positions"], context,
                            cfg.window, cfg.sink_frames)
-    err_BM = (noisy - s * flow - x0).pow(2).mean(dim=(2, 3, 4))
+    # the error of the predicted clean frame, in pixels (the metrics' own; the whitened latents would
+    # weigh the faintest detail 140x the mean brightness)
+    err_BM = (model.latents.denormalize(noisy - s * flow) - b["latents"][:, 1:]).pow(2).mean(dim=(2, 3, 4))
     w = b["weight"][:, 1:]
     return (err_BM * w).sum() / w.sum()
 
@@ -204,6 +217,8 @@ def train(cfg: WanTrainConfig, out_dir: Path, resume: bool = True) -> WanWorld:
             raise ValueError(f"train_wan.init_weights: {cfg.init_weights} has another architecture than train_wan.model/camera")
         model.load_state_dict(init.state_dict())
         log.info("initialized from %s", cfg.init_weights)
+    else:
+        fit_whitening(model)
     adapter = None
     if cfg.self_forcing_max > 0:
         settings = WanSettings(chunk_frames=model.chunk_frames, latent_height=LATENT_SIZE, latent_width=LATENT_SIZE,

@@ -38,6 +38,7 @@ class WanTrainConfig:
     num_threads: int = 0  # torch threads (0 = torch default)
     model: dict = field(default_factory=dict)  # overrides of the WanTransformer3DModel arguments (wanworld/model.py)
     camera: dict = field(default_factory=dict)  # overrides of CameraConfig (wanworld/camera.py)
+    latents: str = "whitened"  # the transformer's latents: whitened | normalized (wanworld/latents.py)
     denoise_timesteps: list[int] = field(default_factory=lambda: [1000, 750, 500, 250])  # trained at exactly these,
     shift: float = 5.0  # shifted like the sampler's (model.wan.denoise_timesteps, model.wan.shift)
     init_weights: str | None = None  # start from this weights file (fresh optimizer and schedule); a checkpoint
@@ -57,6 +58,8 @@ class WanTrainConfig:
         for name in ("revisit_share", "offset_share", "self_forcing_max"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"config: {where}.{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.latents not in ("whitened", "normalized"):
+            raise ValueError(f"config: {where}.latents must be whitened or normalized, got '{self.latents}'")
         if self.max_offset < 1:
             raise ValueError(f"config: {where}.max_offset must be >= 1, got {self.max_offset}")
         if self.sink_frames < 0:
