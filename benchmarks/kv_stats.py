@@ -55,6 +55,8 @@ FAMILIES = ("orbit", "pan", "dolly", "random_walk", "stress", "static", "revisit
 MOVING = ("pan", "orbit")
 TARGET_CHANGING, TARGET_C80 = 0.30, 16
 WINDOW, SINK = 16, 1
+MODES = ("free", "teacher_forced")
+MODE_LABEL = {"free": "own frames", "teacher_forced": "true frames"}
 CPU = torch.device("cpu")
 
 
@@ -173,8 +175,7 @@ def render_markdown(report: dict) -> str:
     lines += ["## Headline (mean over layers)", "",
               "| model | cache holds | family | K changing | K c80 / c95 | K max/med | K delta | V changing | V c80 / c95 | V max/med | V delta |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = [(m, "own frames", f["families"]) for m, f in report["models"].items()]
-    rows += [(m, "true frames", f["teacher_forced"]) for m, f in report["models"].items() if "teacher_forced" in f]
+    rows = [(m, MODE_LABEL[mode], f[mode]) for mode in MODES for m, f in report["models"].items() if mode in f]
     for model, mode, fams in rows:
         for fam, layers in fams.items():
             cells = []
@@ -185,29 +186,38 @@ def render_markdown(report: dict) -> str:
                           f"{mean([mean(l[kind]['max_over_median']) for l in layers]):.1f}",
                           f"{mean([mean(l[kind]['delta']) for l in layers]):.3f}"]
             lines.append(f"| {model} | {mode} | {fam} | " + " | ".join(cells) + " |")
-    if "targets" in report:
-        lines += ["", "## Targets (WanWorld, moving families: K changing >= 30% and K c80 >= 16, every layer)", "",
+    for mode, t in report.get("targets", {}).items():
+        lines += ["", f"## Targets, {MODE_LABEL[mode]} in the cache (WanWorld, moving families: K changing >= 30% and "
+                      f"K c80 >= 16, every layer)", "",
                   "| family | layer | K changing | K c80 | met |", "|---|---:|---:|---:|---|"]
-        for row in report["targets"]["rows"]:
+        for row in t["rows"]:
             lines.append(f"| {row['family']} | {row['layer']} | {100 * row['changing']:.1f}% | {row['c80']:.1f} | "
                          f"{'yes' if row['met'] else 'no'} |")
-        lines += ["", f"All met: **{'yes' if report['targets']['met'] else 'no'}**."]
-    for model, fams in report["models"].items():
-        info = fams["info"]
-        lines += ["", f"## {model}: per layer, free rollouts ({info['num_layers']} layers x {info['num_kv_heads']} heads x head_dim "
-                      f"{info['head_dim']}, {info['tokens_per_frame']} tokens per frame)", "",
-                  "| family | layer | K changing (min-max) | K c80 / c95 | K max/med | K delta | V changing (min-max) | V c80 / c95 | V max/med | V delta |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for fam, layers in fams["families"].items():
-            for i, l in enumerate(layers):
-                cells = []
-                for kind in ("k", "v"):
-                    s = l[kind]
-                    cells += [f"{100 * mean(s['changing']):.1f}% ({100 * min(s['changing']):.1f}-{100 * max(s['changing']):.1f})",
-                              f"{mean(s['c80']):.1f} / {mean(s['c95']):.1f}", f"{mean(s['max_over_median']):.1f}",
-                              f"{mean(s['delta']):.3f}"]
-                lines.append(f"| {fam} | {i} | " + " | ".join(cells) + " |")
+        lines += ["", f"All met: **{'yes' if t['met'] else 'no'}**."]
+    for model, entry in report["models"].items():
+        info = entry["info"]
+        for mode in (m for m in MODES if m in entry):
+            lines += ["", f"## {model}: per layer, {MODE_LABEL[mode]} in the cache ({info['num_layers']} layers x "
+                          f"{info['num_kv_heads']} heads x head_dim {info['head_dim']}, {info['tokens_per_frame']} tokens "
+                          f"per frame)", "",
+                      "| family | layer | K changing (min-max) | K c80 / c95 | K max/med | K delta | V changing (min-max) | V c80 / c95 | V max/med | V delta |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += _layer_rows(entry[mode])
     return "\n".join(lines) + "\n"
+
+
+def _layer_rows(fams: dict) -> list[str]:
+    lines = []
+    for fam, layers in fams.items():
+        for i, l in enumerate(layers):
+            cells = []
+            for kind in ("k", "v"):
+                s = l[kind]
+                cells += [f"{100 * mean(s['changing']):.1f}% ({100 * min(s['changing']):.1f}-{100 * max(s['changing']):.1f})",
+                          f"{mean(s['c80']):.1f} / {mean(s['c95']):.1f}", f"{mean(s['max_over_median']):.1f}",
+                          f"{mean(s['delta']):.3f}"]
+            lines.append(f"| {fam} | {i} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def targets(fams: dict) -> dict:
@@ -229,10 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-frames", type=int, default=96)
     parser.add_argument("--start-frame", type=int, default=16)
     parser.add_argument("--base-seed", type=int, default=0, help="offset into the evaluation seed range")
-    parser.add_argument("--modes", default="free", help="free and/or teacher_forced (comma-separated)")
+    parser.add_argument("--modes", default="free", help=f"any of {', '.join(MODES)} (comma-separated)")
     parser.add_argument("--wanworld-weights", default=None, help="WanWorld weights (default: the shipped file)")
     parser.add_argument("--out", default="artifacts/benchmarks")
     args = parser.parse_args(argv)
+    if any(m not in MODES for m in args.modes.split(",")):
+        print(f"error: --modes must be a comma-separated subset of {', '.join(MODES)}", file=sys.stderr)
+        return 2
     if args.num_frames <= args.start_frame + 1:
         print("error: --num-frames must exceed --start-frame + 1", file=sys.stderr)
         return 2
@@ -249,15 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fams[fam] = measure(world, fam, args.num_trajectories, args.num_frames, args.start_frame,
                                     args.base_seed + i * args.num_trajectories, teacher_forced=mode == "teacher_forced")
                 log.info("%s %s %s: %.0f s", name, mode, fam, time.perf_counter() - start)
-            models[name]["families" if mode == "free" else "teacher_forced"] = fams
+            models[name][mode] = fams
     report = {"format": FORMAT, "format_version": FORMAT_VERSION,
               "command": " ".join([COMMAND, *map(shlex.quote, argv)]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "config": {"modes": args.modes.split(","), "num_trajectories": args.num_trajectories, "num_frames": args.num_frames,
                          "start_frame": args.start_frame, "base_seed": args.base_seed, "window": WINDOW, "sink": SINK},
               "elapsed_s": time.perf_counter() - start, "models": models}
-    if "wanworld" in models and all(f in models["wanworld"]["families"] for f in MOVING):
-        report["targets"] = targets(models["wanworld"]["families"])
+    if "wanworld" in models:
+        report["targets"] = {mode: targets(fams) for mode, fams in models["wanworld"].items()
+                             if mode in MODES and all(f in fams for f in MOVING)}
     out = Path(args.out)
     markdown = render_markdown(report)
     write_text_atomic(out / "kv_stats.json", json.dumps(report, indent=2, allow_nan=False) + "\n")

@@ -69,6 +69,7 @@ def test_kv_stats_script_on_a_tiny_wanworld(tmp_path, weights):
             "--out", str(tmp_path)]
     assert kv_stats.main(argv) == 0
     report = json.loads((tmp_path / "kv_stats.json").read_text())
-    layers = report["models"]["wanworld"]["families"]["pan"]
-    assert len(layers) == 2 and layers[0]["k"]["frames"] == 4 and layers[0]["k"]["tokens_per_frame"] == 64
-    assert "teacher_forced" in report["models"]["wanworld"] and "targets" in report
+    for mode in ("free", "teacher_forced"):
+        layers = report["models"]["wanworld"][mode]["pan"]
+        assert len(layers) == 2 and layers[0]["k"]["frames"] == 4 and layers[0]["k"]["tokens_per_frame"] == 64
+        assert len(report["targets"][mode]["rows"]) == 4  # pan and orbit x 2 layers
