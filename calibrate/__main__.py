@@ -177,8 +177,10 @@ def run(cfg: DictConfig) -> dict:
     if task is None:
         raise ValueError(f"task '{config.task}' is not implemented yet")
     result = task(config, out_dir)
-    # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs
-    write_records(cfg, config, out_dir)
+    # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs;
+    # of several processes (torchrun, accelerate launch) the main one writes the run directory
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_records(cfg, config, out_dir)
     if config.task == "check" and not result.get("passed", False):
         raise CheckFailed(result.get("summary", "check failed"))
     return result

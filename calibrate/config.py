@@ -16,6 +16,7 @@ Models own their settings (`WanSettings`, `TrainConfig`); this module only names
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,23 @@ ROTATIONS = ("none", "hadamard", "learned")
 CODES = ("predictive", "scalar")
 BASES = ("pca", "identity")
 ALLOCATIONS = ("waterfill", "uniform")
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3,
+               "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text, key: str) -> int:
+    """A byte count with an optional unit (`835584`, `816KiB`, `0.8MB`, `8GiB`) as bytes > 0; a
+    ValueError naming `key` otherwise."""
+    t = str(text).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+    if m is None or m.group(2) not in _BYTE_UNITS:
+        raise ValueError(f"config: {key}={text!r} is not a byte count (e.g. 835584, 816KiB, 0.8MB, 8GiB)")
+    value = int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
+    if value <= 0:
+        raise ValueError(f"config: {key}={text!r} must be > 0 bytes")
+    return value
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -126,8 +144,10 @@ class FitConfig:
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
-    trace_frames: int = 48  # whole frames of the first calibration batch replayed by the objective
+    trace_frames: int = 48  # cache frames of the first calibration batch the objective replays (calibrate/trace.py)
     trace_trajectories: int = 4  # trajectories of that batch the objective replays
+    trace_tokens: int = 512  # token slots per frame the trace keeps at most (the same slots in every frame)
+    trace_bytes: str = "8GiB"  # the trace's byte budget (fewer slots when needed; logged): 8GiB, 512MiB, ...
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off; at most the model's head_dim)
     logit_correction: bool = True  # fit the key-noise logit correction (per-head strength on the objective)
     keyframes: bool = False  # let the allocator offer key frames (every N-th frame at 4 or 8 bits)
@@ -156,6 +176,8 @@ class FitConfig:
         _positive("fit.sample_tokens", self.sample_tokens)
         _positive("fit.trace_frames", self.trace_frames)
         _positive("fit.trace_trajectories", self.trace_trajectories)
+        _positive("fit.trace_tokens", self.trace_tokens)
+        parse_bytes(self.trace_bytes, "fit.trace_bytes")
         _positive("fit.outlier_channels", self.outlier_channels, allow_zero=True)
         _positive("fit.comp_rank", self.comp_rank, allow_zero=True)
         if any(n < 1 for n in self.keyframe_intervals):
@@ -192,6 +214,30 @@ class CheckConfig:
     flicker_tolerance: float = 0.25  # allowed relative flicker increase
     min_psnr_db: float | None = None  # absolute floors override the recorded metrics
     max_flicker: float | None = None
+    # the check set (conf/trajectories/check.yaml: 4 trajectories of 128 frames) that task=calibrate
+    # measures and records and task=check replays; null = the recipe's recorded set, else check.yaml's
+    num_trajectories: int | None = None
+    num_frames: int | None = None  # a multiple of model.wan.chunk_frames for Wan
+
+    def check(self) -> None:
+        for name in ("num_trajectories", "num_frames"):
+            if getattr(self, name) is not None:
+                _positive(f"check.{name}", getattr(self, name))
+
+
+def check_set(cfg: "Config", recorded: dict | None = None) -> "TrajectoriesConfig":
+    """The CI gate's trajectory set: conf/trajectories/check.yaml (evaluation seeds), its count and
+    length taken from `check.num_trajectories` / `check.num_frames` when set, else from `recorded`
+    (the set a recipe recorded its check metrics on), else the file's."""
+    loaded = OmegaConf.merge(OmegaConf.structured(TrajectoriesConfig), OmegaConf.load(CONF_DIR / "trajectories" / "check.yaml"))
+    out: TrajectoriesConfig = OmegaConf.to_object(loaded)
+    for name in ("num_trajectories", "num_frames"):
+        value = getattr(cfg.check, name)
+        if value is None and recorded:
+            value = recorded.get(name)
+        if value is not None:
+            setattr(out, name, int(value))
+    return out
 
 
 @dataclass
@@ -275,11 +321,10 @@ def validate(cfg: Config) -> None:
     if cfg.device != "auto" and cfg.device != "cpu" and not cfg.device.startswith("cuda"):
         raise ValueError(f"config: device must be {DEVICES}, got '{cfg.device}'")
     cfg.model.check()
-    w = cfg.model.wan
-    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
-        raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide "
-                         f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
+    cfg.check.check()
+    if cfg.model.name == "wan_diffusers":
+        check_chunking(cfg)
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
@@ -293,6 +338,28 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:
         raise ValueError("config: task=compare needs a non-empty schemes=[...]")
+
+
+def check_chunking(cfg: Config) -> None:
+    """Every frame count the task will roll out is whole chunks of `model.wan.chunk_frames`: found
+    here, in the first seconds, not after a replay and a fit (a Self-Forcing-style chunking of 3
+    and the check set's 128 frames would fail only when the recipe is about to be written)."""
+    chunk = cfg.model.wan.chunk_frames
+    counts = {} if cfg.trajectories.file else {"trajectories.num_frames": cfg.trajectories.num_frames}
+    if cfg.task == "calibrate":
+        if cfg.quant.preset == "ours":
+            counts["fit.closed_loop_frames"] = cfg.fit.closed_loop_frames
+        counts["check.num_frames"] = check_set(cfg).num_frames
+        if cfg.memory.device_budget is not None:
+            counts["memory.search_frames"] = cfg.memory.search_frames
+    if cfg.task == "check" and cfg.check.num_frames is not None:
+        counts["check.num_frames"] = cfg.check.num_frames
+    for key, n in counts.items():
+        if n % chunk:
+            what = "the check set's frames (conf/trajectories/check.yaml)" if key == "check.num_frames" and \
+                cfg.check.num_frames is None else key
+            raise ValueError(f"config: model.wan.chunk_frames={chunk} does not divide {what}={n}; set {key} to a "
+                             f"multiple of {chunk} (e.g. {key}={max(n - n % chunk, chunk)})")
 
 
 def resolve_split(cfg: Config) -> str:

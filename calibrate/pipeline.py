@@ -34,6 +34,7 @@ from calibrate.recipe import Recipe, load_recipe
 from calibrate.replay import Recorder, record
 from calibrate.schemes import BASELINES, CALIBRATED, KVSample, build_baseline
 from calibrate.stats_report import plot_report, report
+from calibrate.trace import TracePlan
 from calibrate.types import Trajectory
 from calibrate.world.model import TinyWorld
 from calibrate.world.trajectories import load_trajectories, make_trajectories
@@ -100,7 +101,7 @@ def write_json(path: Path, obj) -> None:
 
 
 # ---- task=stats -----------------------------------------------------------------------------
-def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace_frames: int = 0,
+def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace: TracePlan | None = None,
             state=None, checkpoint: Path | None = None) -> Recorder:
     """Replay the calibration trajectories (this process's shard) and reduce across processes.
 
@@ -110,13 +111,13 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     """
     info = as_world(model).info
     trajs = distributed.shard(trajectory_set(cfg), state)
-    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace_frames, cfg.seed)
+    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace, cfg.seed)
     rank, world = distributed.rank_and_world(state)
     key = f"{config_hash(cfg)}/{info.fingerprint}/{rank}/{world}"
     done = 0
     if checkpoint is not None and checkpoint.exists():
         try:
-            saved, extra = Recorder.load(checkpoint, trace_frames)
+            saved, extra = Recorder.load(checkpoint, trace)
         except ValueError as e:  # only a cache of finished work: start over
             log.warning("ignoring unreadable resume checkpoint (%s)", e)
             saved, extra = None, {}
@@ -347,8 +348,10 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
     recipe = load_recipe(cfg.recipe, as_world(model).info)
+    recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
-        cfg = gate.check_trajectories(cfg)  # the default set of a check is the check set
+        # the default set of a check is the check set, as long as the recipe measured it
+        cfg = gate.check_trajectories(cfg, (recorded or {}).get("trajectories"))
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
@@ -356,7 +359,6 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
                     runtime=cfg.eval.runtime)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
-    recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))
     write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})
     write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
