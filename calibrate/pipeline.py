@@ -111,7 +111,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     """
     info = as_world(model).info
     trajs = distributed.shard(trajectory_set(cfg), state)
-    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace, cfg.seed)
+    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace, cfg.seed, device)
     rank, world = distributed.rank_and_world(state)
     key = f"{config_hash(cfg)}/{info.fingerprint}/{rank}/{world}"
     done = 0
@@ -133,7 +133,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     recorder.q = distributed.reduce_queries(recorder.q, state)
     recorder.k = distributed.reduce_queries(recorder.k, state)
     recorder.v = distributed.reduce_queries(recorder.v, state)
-    return recorder
+    return recorder.on_cpu()
 
 
 def run_stats(cfg: Config, out_dir: Path) -> dict:

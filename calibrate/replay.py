@@ -43,11 +43,22 @@ class Recorder:
     traces: list[Trace] = field(default_factory=list)
 
     @staticmethod
-    def create(info: ModelInfo, sample_tokens: int = 4096, trace: TracePlan | None = None, seed: int = 0) -> "Recorder":
+    def create(info: ModelInfo, sample_tokens: int = 4096, trace: TracePlan | None = None, seed: int = 0,
+               device: torch.device | str = "cpu") -> "Recorder":
+        """Statistics and reservoirs on `device` (the model's: a GPU replay then never waits on
+        the host for its float64 sums; `on_cpu` brings them back for the fit)."""
         cfg = KVStatsConfig(num_layers=info.num_layers, num_heads=info.num_kv_heads, head_dim=info.head_dim)
         sample = lambda s: QuerySample(num_layers=info.num_layers, num_heads=info.num_kv_heads,
-                                       head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s)
-        return Recorder(KVStats(cfg), sample(0), sample(1), sample(2), trace)
+                                       head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s, device=device)
+        return Recorder(KVStats(cfg, device), sample(0), sample(1), sample(2), trace)
+
+    def on_cpu(self) -> "Recorder":
+        """The statistics and reservoirs moved to the host (the trace stays where it is)."""
+        if self.stats.device.type == "cpu":
+            return self
+        cpu = lambda s: QuerySample.from_tensors(s.settings(), {k: t.cpu() for k, t in s.to_tensors().items()}, "cpu")
+        stats = KVStats.from_tensors(self.stats.config, {k: t.cpu() for k, t in self.stats.tensors.items()}, "cpu")
+        return Recorder(stats, cpu(self.q), cpu(self.k), cpu(self.v), self.trace, self.traces)
 
     def save(self, path, model: dict, extra: dict[str, str] | None = None) -> None:
         self.stats.save(path, model=model, samples={"q": self.q, "k": self.k, "v": self.v}, extra=extra)

@@ -143,15 +143,16 @@ class Trace:
         return sum(t.numel() * t.element_size() for t in self.q + self.k_pre + self.v if t is not None) + \
             (0 if self.angles is None else self.angles.numel() * 4)
 
-    def layer(self, layer: int, window: int, sink_frames: int, trajectories: int | None = None) -> LayerTrace:
+    def layer(self, layer: int, window: int, sink_frames: int, trajectories: int | None = None,
+              heads: slice = slice(None)) -> LayerTrace:
         """The objective's view of `layer` (float32; keys rotated again from their angles), over the
-        frames filled and the first `trajectories` traced trajectories (all by default)."""
+        frames filled, the first `trajectories` traced trajectories (all by default) and `heads`."""
         if not self.q:
             raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
         if self.q[layer] is None:
             raise RuntimeError(f"layer {layer}'s trace is held by another process")
         b, f = trajectories or self.q[layer].shape[0], self.num_frames
-        q, k_pre, v = (x[layer][:b, :, :f].float() for x in (self.q, self.k_pre, self.v))
+        q, k_pre, v = (x[layer][:b, heads, :f].float() for x in (self.q, self.k_pre, self.v))
         angles = self.angles[:b, :f]
         out = LayerTrace(q, None, v, window=window, sink_frames=sink_frames, k_pre=k_pre, angles=angles)
         out.k = out.rotate(k_pre)
@@ -175,3 +176,7 @@ class LayerTraces:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+    def head(self, layer: int, head: int) -> LayerTrace:
+        """`layer`'s view of one head (its objective depends on nothing else)."""
+        return self.trace.layer(layer, self.window, self.sink_frames, self.trajectories, slice(head, head + 1))

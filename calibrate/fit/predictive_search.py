@@ -101,11 +101,14 @@ class TensorFit:
         return spec, roles
 
 
-def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None) -> Tensor:
-    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary)."""
+def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None,
+                only: int | None = None) -> Tensor:
+    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary);
+    with `only` = h, head h alone from a one-head `trace` (`Trace.layer(..., heads=...)`): [B, 1, F, T, D]."""
     x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
-    out = torch.stack([fake_quant_sequence(x[:, h], p.to(x.device), intra_only=not cfg.temporal)
-                       for h, p in enumerate(fit.params(cfg, heads))], dim=1)
+    params = fit.params(cfg, heads)
+    pairs = list(enumerate(params)) if only is None else [(0, params[only])]
+    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal) for i, p in pairs], dim=1)
     return trace.rotate(out) if fit.stat_kind == "kpre" else out
 
 
@@ -242,15 +245,17 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
               shard: Shard | None = None) -> list[dict]:
     """Greedy: +`fit.bits_step` bits per component for the head with the best objective gain per bit.
 
-    Priced incrementally: an upgrade of one head changes the cache's bytes by that head's own
-    term (`memory.predictive_head_bytes`), so every pending offer is a (gain, byte change) pair in
-    an [L, 2, H] table, and taking one re-prices only its layer's offers (heads are independent
-    in the objective: one objective pass prices all heads of a tensor). Per upgrade: 3 objective
-    calls on one layer and O(L x H) arithmetic on the table. Bits are computed from the exact
+    Priced incrementally. Every pending offer is a (gain, byte change) pair in an [L, 2, H] table:
+    an upgrade of one head changes the cache's bytes by that head's own term
+    (`memory.predictive_head_bytes`), and the objective of a head depends on that head's K and V
+    alone. So a layer is priced once with three passes over all its heads (current codes, every K
+    head one step up, every V head one step up; four reconstructions), and after an upgrade only
+    the upgraded head's two offers change: three passes over that one head. Per upgrade the work
+    is 1/H of a layer's, and O(L x H) arithmetic on the table. Bits are computed from the exact
     byte total as `memory.bits_per_element` does (16 * bytes / fp16 bytes at steady state; a
-    predictive recipe has one steady phase), so choices and ties are those of pricing every
-    offer with the whole memory model; the first best offer in (layer, K before V, head) order wins.
-    With a `shard`, a layer's owner prices it and shares the table rows.
+    predictive recipe has one steady phase), so the choices and ties are those of pricing every
+    offer with the whole memory model: the first best offer in (layer, K before V, head) order
+    wins. With a `shard`, a layer's owner prices it and shares the table rows.
     """
     shard = shard or Shard()
     lam, step = cfg.lambda_temporal, cfg.bits_step
@@ -261,39 +266,50 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
     scheme = assemble(info, fits, cfg, rotary_coords).scheme
     assert steady_phases(scheme) == 1  # predictive codes: no key frames, no spans
     total = predicted_cache_bytes(info, scheme, n0, window, sink_frames)
+    gain = torch.full((L, len(KINDS), H), float("nan"), dtype=torch.float64)  # nan: no offer
+    delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
 
     def head_bytes(p) -> int:
         return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1,
                                      T, D)
 
-    def layer_scores(layer: int, which: str | None = None, up: list[HeadCode] | None = None) -> Tensor:
-        pair, trace = fits[layer], traces[layer]
-        k_hat = reconstruct(trace, pair["k"], cfg, up if which == "k" else None)
-        v_hat = reconstruct(trace, pair["v"], cfg, up if which == "v" else None)
-        return head_objective(trace, refs[layer], k_hat, v_hat, lam)
+    def ups(layer: int) -> dict[str, list[HeadCode]]:
+        return {kind: [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fits[layer][kind].heads]
+                for kind in KINDS}
 
-    gain = torch.full((L, len(KINDS), H), float("nan"), dtype=torch.float64)  # nan: no offer
-    delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
-
-    def price(layer: int) -> None:
-        """The layer's offers: every head of K and of V one step up, against the layer's scores now."""
-        if not shard.owns(layer):
-            shard.share_rows(layer, gain[layer], delta[layer])
-            return
-        current = layer_scores(layer)
+    def fill(layer: int, heads: list[int], current: Tensor, new: dict[str, Tensor], up: dict[str, list[HeadCode]]):
         for i, kind in enumerate(KINDS):
             fit = fits[layer][kind]
-            up = [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fit.heads]
-            new = layer_scores(layer, kind, up)
-            now, then = fit.params(cfg), fit.params(cfg, up)
-            for h in range(H):
-                offered = up[h] != fit.heads[h]
-                gain[layer, i, h] = float(current[h] - new[h]) if offered else float("nan")
+            now, then = fit.params(cfg), fit.params(cfg, up[kind])
+            for j, h in enumerate(heads):
+                offered = up[kind][h] != fit.heads[h]
+                gain[layer, i, h] = float(current[j] - new[kind][j]) if offered else float("nan")
                 delta[layer, i, h] = head_bytes(then[h]) - head_bytes(now[h]) if offered else 0
+
+    def price_layer(layer: int) -> None:
+        """Every head's two offers against the layer's current codes (three passes over all heads)."""
+        if shard.owns(layer):
+            trace, ref, up = traces[layer], refs[layer], ups(layer)
+            cur = {kind: reconstruct(trace, fits[layer][kind], cfg) for kind in KINDS}
+            hat = {kind: reconstruct(trace, fits[layer][kind], cfg, up[kind]) for kind in KINDS}
+            fill(layer, list(range(H)), head_objective(trace, ref, cur["k"], cur["v"], lam),
+                 {"k": head_objective(trace, ref, hat["k"], cur["v"], lam),
+                  "v": head_objective(trace, ref, cur["k"], hat["v"], lam)}, up)
+        shard.share_rows(layer, gain[layer], delta[layer])
+
+    def price_head(layer: int, h: int) -> None:
+        """Head h's two offers after its upgrade (three passes over that head alone)."""
+        if shard.owns(layer):
+            trace, ref, up = traces.head(layer, h), refs[layer][:, h:h + 1], ups(layer)
+            cur = {kind: reconstruct(trace, fits[layer][kind], cfg, only=h) for kind in KINDS}
+            hat = {kind: reconstruct(trace, fits[layer][kind], cfg, up[kind], only=h) for kind in KINDS}
+            fill(layer, [h], head_objective(trace, ref, cur["k"], cur["v"], lam),
+                 {"k": head_objective(trace, ref, hat["k"], cur["v"], lam),
+                  "v": head_objective(trace, ref, cur["k"], hat["v"], lam)}, up)
         shard.share_rows(layer, gain[layer], delta[layer])
 
     for layer in tqdm(range(L), desc="mixed precision: price", unit="layer"):
-        price(layer)
+        price_layer(layer)
     taken = []
     bar = tqdm(desc="mixed precision: bits spent", total=round(max(cfg.budget_bits - 16.0 * total / fp16, 0.0), 4),
                unit="bit")
@@ -309,7 +325,7 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
         heads[h] = replace(heads[h], avg_bits=heads[h].avg_bits + step)
         g, c = float(gain[layer, i, h]), float(cost[layer, i, h])
         total += int(delta[layer, i, h])
-        price(layer)
+        price_head(layer, h)
         taken.append({"layer": layer, "tensor": KINDS[i], "head": h, "avg_bits": heads[h].avg_bits,
                       "gain": round(g, 6), "bits_cost": round(c, 4)})
         bar.update(round(c, 4))
