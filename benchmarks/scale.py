@@ -1,0 +1,343 @@
+"""Scale: the default `task=calibrate` on random Wan models with Wan2.1-1.3B's per-layer shape.
+
+    python -m benchmarks.scale [--sizes 64,390,1560,4680] [--frames 8] [--out artifacts/benchmarks]
+
+Each size is diffusers' `WanTransformer3DModel` with Wan2.1-T2V-1.3B's blocks (12 heads x 128,
+width 1536, ffn 8960, text 4096, 16 latent channels, patches 1x2x2) but 2 layers, random weights
+(seed 0) saved as a diffusers model directory, so `model.weights=` loads it the way a real
+checkpoint loads. Tokens per cache frame: 64 (16x16 latents), 390 (30x52), 1560 (60x104) and
+4680 (60x104, chunks of 3 latent frames as Self-Forcing). Every size runs
+`python -m calibrate model=wan_diffusers ...` end to end in its own process, with every fit
+setting at its default; cut for CPU time (stated in the report): one trajectory of `--frames`
+cache frames in every set (calibration, closed loop, evaluation, check), one denoising step
+(`model.wan.denoise_timesteps=[1000]`), window 4 + 1 sink. Measured per phase (the run's own
+`phase` log records): wall time and peak RSS (VmHWM, reset at each phase start), the trace's
+bytes, objective calls and their time. The cost model (`benchmarks/cost_model.py`) predicts each
+phase from FLOPs and this CPU's measured throughput, and extrapolates to Wan2.1-1.3B.
+
+Writes `scale.md` and `scale.json`. One thread (`OMP_NUM_THREADS=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks import cost_model as cm
+
+SIZES = {64: (16, 16, 1), 390: (30, 52, 1), 1560: (60, 104, 1), 4680: (60, 104, 3)}  # latents h, w, chunk
+BLOCKS = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+              text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+              eps=1e-6, rope_max_seq_len=1024)
+LAYERS, WINDOW, SINKS, TEXT_TOKENS = 2, 4, 1, 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- measuring one run (the worker process) ------------------------------------------------------------
+def _hwm_kib() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _reset_hwm() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+class PhaseMeter(logging.Handler):
+    """Wall time and peak RSS of every phase the run logs (calibration.phase)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phases: dict[str, dict] = {}
+        self._start: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name, event = getattr(record, "phase", None), getattr(record, "event", None)
+        if name is None:
+            return
+        if event == "start":
+            _reset_hwm()
+            self._start[name] = time.perf_counter()
+        elif event == "end":
+            self.phases[name] = {"seconds": time.perf_counter() - self._start[name], "peak_rss_mib": _hwm_kib() / 1024}
+
+
+def worker(overrides: list[str], out: Path) -> None:
+    """Run `python -m calibrate *overrides` in this process, measuring phases, the trace and the objective."""
+    from calibrate import trace
+    from calibrate.recipe import load_recipe
+    from calibrate.fit import predictive_search
+
+    meter = PhaseMeter()
+    logging.getLogger("calibrate.calibration").addHandler(meter)
+    logging.getLogger("calibrate.calibration").setLevel(logging.INFO)
+    measured = {"objective_calls": 0, "objective_heads": 0, "objective_seconds": 0.0, "head_sequences": 0,
+                "reconstruct_seconds": 0.0}
+
+    def timed(fn, count, secs, weight=lambda a: 1):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out_ = fn(*a, **kw)
+            measured[count] += weight(a)
+            measured[secs] += time.perf_counter() - t0
+            return out_
+        return wrapper
+
+    # objective calls and the heads they score (a layer's H, or one head after an upgrade); reconstructions
+    # as coded head sequences (one head's frames through quant/predictive.py)
+    objective = predictive_search.head_objective
+    predictive_search.head_objective = timed(objective, "objective_heads", "objective_seconds",
+                                             lambda a: a[0].q.shape[1])
+    predictive_search.head_objective = timed(predictive_search.head_objective, "objective_calls", "unused_seconds")
+    measured["unused_seconds"] = 0.0
+    predictive_search.fake_quant_sequence = timed(predictive_search.fake_quant_sequence, "head_sequences",
+                                                  "reconstruct_seconds")
+    allocate = trace.Trace._allocate
+
+    def allocate_and_measure(self, B, A):
+        allocate(self, B, A)
+        measured["trace_bytes"] = self.nbytes()
+        measured["trace_slots"] = self.plan.num_slots
+    trace.Trace._allocate = allocate_and_measure
+    sys.argv = ["calibrate", *overrides]
+    t0 = time.perf_counter()
+    from calibrate.__main__ import main
+    try:
+        main()
+    except SystemExit as e:
+        if e.code:
+            raise
+    measured["seconds"] = time.perf_counter() - t0
+    measured["phases"] = meter.phases
+    fit_record = json.loads(load_recipe(Path(_override(overrides, "hydra.run.dir")) / "recipe.safetensors")
+                            .metadata["fit"])
+    measured["upgrades"] = len(fit_record["upgrades"])
+    measured["base_bits"], measured["bits_per_element"] = fit_record["base_bits"], fit_record["bits_per_element"]
+    measured["candidates"] = len(fit_record["closed_loop"]["scores"])
+    out.write_text(json.dumps(measured, indent=2))
+
+
+def _override(overrides: list[str], key: str) -> str:
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith(key + "="))
+
+
+# ---- the sizes ---------------------------------------------------------------------------------
+def make_model(directory: Path) -> None:
+    """A random 2-layer Wan with 1.3B's blocks, saved as a diffusers model directory (float32)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    diffusers.WanTransformer3DModel(num_layers=LAYERS, **BLOCKS).save_pretrained(directory)
+
+
+def overrides(size: int, frames: int, weights: Path, run_dir: Path) -> list[str]:
+    h, w, chunk = SIZES[size]
+    n = frames * chunk
+    return ["model=wan_diffusers", f"model.weights={weights}", f"model.wan.latent_height={h}",
+            f"model.wan.latent_width={w}", f"model.wan.chunk_frames={chunk}", "model.wan.denoise_timesteps=[1000]",
+            f"model.cache.window={WINDOW}", f"model.cache.sink_frames={SINKS}", "device=cpu",
+            "trajectories.num_trajectories=1", f"trajectories.num_frames={n}", "trajectories.batch_size=1",
+            "fit.closed_loop_trajectories=1", f"fit.closed_loop_frames={n}",
+            "check.num_trajectories=1", f"check.num_frames={n}", f"hydra.run.dir={run_dir}"]
+
+
+def run_size(size: int, frames: int, weights: Path, work: Path) -> dict:
+    out = work / f"measured_{size}.json"
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "benchmarks.scale", "--worker", str(out), "--",
+           *overrides(size, frames, weights, work / f"run_{size}")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"size {size} failed:\n{proc.stderr[-3000:]}")
+    measured = json.loads(out.read_text())
+    measured["wall_seconds"] = time.perf_counter() - t0
+    measured["peak_rss_mib"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
+    return measured
+
+
+# ---- this CPU's throughput -------------------------------------------------------------------------
+def throughput(tokens: int = 1560) -> cm.Throughput:
+    """FLOP/s of the model's GEMM shape and of the cache's attention einsum, one thread."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+
+    def rate(fn, flops: float) -> float:
+        fn()
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 2.0:
+            fn()
+            n += 1
+        return flops * n / (time.perf_counter() - t0)
+
+    x, w = torch.randn(tokens, 1536, generator=g), torch.randn(1536, 8960, generator=g)
+    linear = rate(lambda: x @ w, 2.0 * tokens * 1536 * 8960)
+    q, k = torch.randn(1, 12, tokens, 128, generator=g), torch.randn(1, 12, 4 * tokens, 128, generator=g)
+    attention = rate(lambda: torch.einsum("bhtd,bhnd->bhtn", q, k).softmax(-1) @ k, 4.0 * 12 * 128 * tokens * 4 * tokens)
+    return cm.Throughput(linear=linear, attention=attention, other=linear / 4,
+                         note=f"measured here, 1 thread: GEMM [{tokens},1536]x[1536,8960], attention 12 heads x 128 "
+                              f"over 4x{tokens} keys")
+
+
+# ---- the report -------------------------------------------------------------------------------------
+def model_of(size: int, layers: int = LAYERS, param_bytes: int = 4, text_tokens: int = TEXT_TOKENS) -> cm.Model:
+    return cm.Model(layers=layers, heads=12, head_dim=128, width=1536, ffn=8960, tokens=size, text_tokens=text_tokens,
+                    param_bytes=param_bytes)
+
+
+def run_of(frames: int, measured: dict) -> cm.Run:
+    """The run each size made (module docstring), with its measured counts of upgrades and candidates."""
+    return cm.Run(frames=frames, window=WINDOW, sinks=SINKS, passes=2, calibration=1, closed_loop=1,
+                  candidates=measured["candidates"], evaluation=1, check=1, batch=1, upgrades=measured["upgrades"])
+
+
+PHASES = ("replay", "fit", "closed loop", "evaluation", "check set")
+
+# Wan2.1-T2V-1.3B calibrated by default (Self-Forcing's setting: chunks of 3 latent frames, 4 denoising steps,
+# a window of 7 chunks + 1 sink), 7 calibration trajectories of 40 chunks (120 latent frames), the default closed
+# loop (3 x 96 frames = 32 chunks, 4 candidates), evaluation 7 x 40 chunks, check set 4 x 126 frames = 42 chunks,
+# the default trace (4 trajectories x 48 frames, <= 512 slots, <= 8 GiB, bfloat16).
+WAN13 = cm.Model(layers=30, heads=12, head_dim=128, width=1536, ffn=8960, tokens=4680, text_tokens=512, param_bytes=2)
+
+
+def wan13_run(batch: int, gpus: int = 1) -> cm.Run:
+    return cm.Run(frames=40, window=7, sinks=1, passes=5, calibration=7, closed_loop=3, closed_loop_frames=32,
+                  candidates=4, evaluation=7, check=4, check_frames=42, batch=batch, trace_element=2)
+
+
+# H100 SXM: bf16 dense 989 TFLOP/s, FP32 67 TFLOP/s peak. Assumed: 40% of bf16 peak for the model's GEMMs; the
+# cache attends in float32 (CUDA cores, fused kernel): 40 TFLOP/s; the fit's objective and float64 statistics:
+# 30 TFLOP/s; 20 ms of fixed cost per model pass (30 layers of kernel launches and the cache's Python).
+H100 = cm.Throughput(linear=400e12, attention=40e12, other=30e12, per_pass_s=0.02,
+                     note="assumed H100 SXM: GEMMs 400 TFLOP/s (40% of bf16 peak), float32 attention 40 TFLOP/s, "
+                          "objective/statistics 30 TFLOP/s, 20 ms fixed cost per model pass")
+
+
+def extrapolate(gpus: int = 1, batch: int = 4) -> dict:
+    """Wan2.1-1.3B's default calibration by the cost model: bytes on the GPU and the host, hours.
+
+    With several GPUs the replay shards trajectories (7 over `gpus`: ceil(7 / gpus) each) and the fit
+    layers; the closed loop, the evaluation and the check set run on the main process."""
+    run = wan13_run(batch)
+    t = cm.seconds(WAN13, run, H100)
+    t["replay"] *= -(-run.calibration // gpus) / run.calibration
+    t["fit"] /= gpus
+    gpu = cm.peak_bytes(WAN13, run)
+    host = {"reservoirs": 3 * 4096 * WAN13.layers * WAN13.heads * WAN13.head_dim * 4,
+            "loading the weights": WAN13.params * 2,
+            "kept rollout latents (evaluation, 7 x 120 frames, fp + quantized)": 2 * 7 * 120 * 16 * 60 * 104 * 4}
+    return {"seconds": t, "hours": sum(t.values()) / 3600, "gpu_bytes": gpu, "host_bytes": host,
+            "batch": batch, "gpus": gpus, "slots": cm.trace_slots(WAN13, run)}
+
+
+def markdown(results: dict) -> str:
+    tp = cm.Throughput(**results["throughput"])
+    lines = ["# Scale: the default `task=calibrate` on Wan2.1-1.3B-shaped models", "",
+             f"- date: {results['date']}; command: `OMP_NUM_THREADS=1 python -m benchmarks.scale`; torch {results['torch']}",
+             f"- this CPU, one thread ({results['cpu'] or 'x86_64'}), {results.get('sharing', 'see the note below')}",
+             f"- models: diffusers `WanTransformer3DModel`, Wan2.1-1.3B's blocks (12 heads x 128, width 1536, ffn 8960, "
+             f"text 4096), {LAYERS} layers, random weights, float32, loaded from a model directory (`model.weights=`)",
+             f"- cut for CPU time: 1 trajectory of {results['frames']} cache frames in every set (calibration, closed "
+             f"loop, evaluation, check set), one denoising step (`model.wan.denoise_timesteps=[1000]`: 2 passes per "
+             f"cache frame), window {WINDOW} + {SINKS} sink; every fit setting at its default "
+             "(trace <= 512 slots and <= 8 GiB, 3 x 3 step grid, mixed precision, closed loop)",
+             f"- throughput used by the cost model ({tp.note}): GEMM {tp.linear / 1e9:.1f} GFLOP/s, "
+             f"attention {tp.attention / 1e9:.1f} GFLOP/s, other {tp.other / 1e9:.1f} GFLOP/s", "",
+             "## Measured, per size", "",
+             "| tokens / cache frame | wall | peak RSS | trace | objective calls | s / call | upgrades |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, m in results["sizes"].items():
+        lines.append(f"| {size} | {m['wall_seconds']:.0f} s | {m['peak_rss_mib']:.0f} MiB | "
+                     f"{m.get('trace_bytes', 0) / 2**20:.1f} MiB ({m.get('trace_slots', 0)} slots) | "
+                     f"{m['objective_calls']} ({m['objective_heads']} head-passes) | "
+                     f"{m['objective_seconds'] / max(m['objective_calls'], 1):.3f} | "
+                     f"{m['upgrades']} |")
+    lines += ["", "## Per phase: measured vs the cost model", "",
+              "| tokens | " + " | ".join(f"{p} (s)" for p in PHASES) + " | " + " | ".join(f"{p} peak RSS" for p in PHASES) + " |",
+              "|---:|" + "---:|" * (2 * len(PHASES))]
+    worst = 0.0
+    for size, m in results["sizes"].items():
+        pred = cm.seconds(model_of(int(size)), run_of(results["frames"], m), tp)
+        cells = []
+        for p in PHASES:
+            got = m["phases"].get(p, {}).get("seconds", float("nan"))
+            err = (pred[p] - got) / got if got else float("nan")
+            worst = max(worst, abs(err))
+            cells.append(f"{got:.1f} / {pred[p]:.1f} ({err:+.0%})")
+        cells += [f"{m['phases'].get(p, {}).get('peak_rss_mib', float('nan')):.0f} MiB" for p in PHASES]
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    lines += ["", f"Worst relative error of the predicted phase times: {worst:.0%} (target: within 25%).", ""]
+    lines += ["## Wan2.1-1.3B by the cost model", "",
+              "30 layers, 4680 tokens per cache frame (chunks of 3 latent frames at 480x832), 4 denoising steps + 1 "
+              "clean pass, window 7 chunks + 1 sink (Self-Forcing's), the default calibration set (7 trajectories of "
+              "40 chunks = 120 latent frames), closed loop 3 x 32 chunks, evaluation 7 x 40 chunks, check set 4 x 42 "
+              "chunks (126 frames: `check.num_frames=126`), default fit settings, bfloat16 weights.",
+              f"Throughput: {H100.note}.", ""]
+    for gpus in (1, 8):
+        e = extrapolate(gpus)
+        g = e["gpu_bytes"]
+        lines.append(f"- **{gpus} GPU{'s' if gpus > 1 else ''}** (batch {e['batch']}): {e['hours']:.2f} h "
+                     f"({', '.join(f'{k} {v / 60:.0f} min' for k, v in e['seconds'].items())}); GPU memory peak "
+                     f"{max(g['replay'], g['fit']) / 2**30:.0f} GiB (replay {g['replay'] / 2**30:.1f}, fit "
+                     f"{g['fit'] / 2**30:.1f}; trace {g['trace'] / 2**30:.1f} GiB = {e['slots'][2]} slots); host "
+                     f"{sum(e['host_bytes'].values()) / 2**30:.1f} GiB")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,390,1560,4680")
+    parser.add_argument("--frames", type=int, default=8, help="cache frames per trajectory in every set")
+    parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
+    parser.add_argument("--work", type=Path, default=None, help="where models and runs go (default: a temp dir)")
+    parser.add_argument("--report", action="store_true", help="write scale.md again from scale.json")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.worker is not None:
+        worker([a for a in rest if a != "--"], args.worker)
+        return
+    if args.report:  # the report again from scale.json (the cost model changes, the measurements do not)
+        from calibrate.io import write_text_atomic
+
+        results = json.loads((args.out / "scale.json").read_text())
+        write_text_atomic(args.out / "scale.md", markdown(results))
+        print(markdown(results))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise SystemExit(f"unknown size(s) {unknown}; sizes are {sorted(SIZES)}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="calibrate-scale-"))
+    weights = work / "wan_2layers"
+    if not (weights / "config.json").exists():
+        make_model(weights)
+    tp = throughput()
+    results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": platform.processor(),
+               "torch": torch.__version__, "frames": args.frames, "throughput": tp.__dict__, "sizes": {}}
+    for size in sizes:
+        print(f"size {size}: running", flush=True)
+        measured = run_size(size, args.frames, weights, work)
+        results["sizes"][str(size)] = measured
+        print(json.dumps(measured), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from calibrate.io import write_text_atomic
+
+    write_text_atomic(args.out / "scale.json", json.dumps(results, indent=2) + "\n")
+    write_text_atomic(args.out / "scale.md", markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
