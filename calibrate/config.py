@@ -60,7 +60,7 @@ class CacheConfig:
 @dataclass
 class ModelConfig:
     name: str = "tinyworld"  # one of MODELS
-    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
+    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir or checkpoint file (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
     wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers (adapters/wan_diffusers.py)
 
