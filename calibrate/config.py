@@ -32,7 +32,7 @@ from calibrate.world.train_config import TrainConfig
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf"
 
-TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
+TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world", "capacity")
 MODELS = ("tinyworld", "wan_diffusers")
 DEVICES = "auto, cpu or cuda[:N]"
 SPLITS = ("auto", "train", "calibration", "evaluation")
@@ -237,6 +237,47 @@ class MemoryConfig:
 
 
 @dataclass
+class CapacityConfig:
+    """task=capacity (capacity.py): the frames of cache that fit beside the weights in memory.device_budget."""
+
+    rollout_frames: int = 1200  # latent frames of the rollout (5 min of 16 fps video with Wan's VAE); the rest goes to a host tier
+    reserve: str = "0"  # device bytes kept for what is not counted (text encoder, VAE, activations), e.g. 4GiB
+    # an explicit shape instead of model='s (num_layers set: give every field below, chunk_frames defaults to 1)
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tokens_per_latent_frame: int | None = None
+    chunk_frames: int | None = None  # latent frames per cache frame
+    num_params: int | None = None  # weights counted at 2 bytes (bf16) each
+
+    SHAPE = ("num_layers", "num_kv_heads", "head_dim", "tokens_per_latent_frame", "num_params")
+
+    def reserve_bytes(self) -> int:
+        from calibrate.fit.plan_search import byte_count
+
+        return 0 if str(self.reserve).strip() in ("0", "") else byte_count(self.reserve)
+
+    def check(self) -> None:
+        _positive("capacity.rollout_frames", self.rollout_frames)
+        try:
+            self.reserve_bytes()
+        except ValueError:
+            raise ValueError(f"config: capacity.reserve={self.reserve!r} is not a byte count (e.g. 0, 4GiB)") from None
+        given = [n for n in (*self.SHAPE, "chunk_frames") if getattr(self, n) is not None]
+        if self.num_layers is None and given:
+            raise ValueError(f"config: capacity.{given[0]} is part of an explicit shape: also set capacity.num_layers "
+                             f"and the rest of {', '.join(self.SHAPE)}")
+        if self.num_layers is not None:
+            missing = [n for n in self.SHAPE if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"config: an explicit shape (capacity.num_layers) needs capacity.{missing[0]} too")
+            for n in self.SHAPE:
+                _positive(f"capacity.{n}", getattr(self, n))
+            if self.chunk_frames is not None:
+                _positive("capacity.chunk_frames", self.chunk_frames)
+
+
+@dataclass
 class Config:
     task: str = "calibrate"  # one of TASKS
     device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
@@ -251,6 +292,7 @@ class Config:
     check: CheckConfig = field(default_factory=CheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -276,7 +318,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: device must be {DEVICES}, got '{cfg.device}'")
     cfg.model.check()
     w = cfg.model.wan
-    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
+    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file \
+            and cfg.task != "capacity":
         raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide "
                          f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
@@ -284,6 +327,13 @@ def validate(cfg: Config) -> None:
     cfg.eval.check()
     cfg.train.check()
     cfg.memory.check()
+    cfg.capacity.check()
+    if cfg.task == "capacity":
+        from calibrate.fit.plan_search import byte_count
+
+        if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
+            raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "
+                             f"got {cfg.memory.device_budget}")
     if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
         raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
                          "use eval.runtime=auto with memory.device_budget")
