@@ -317,10 +317,11 @@ def validate(cfg: Config) -> None:
     if cfg.device != "auto" and cfg.device != "cpu" and not cfg.device.startswith("cuda"):
         raise ValueError(f"config: device must be {DEVICES}, got '{cfg.device}'")
     cfg.model.check()
-    w = cfg.model.wan
-    if cfg.model.name == "wan_diffusers" and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file \
-            and cfg.task != "capacity":
-        raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide "
+    chunk = frames_per_step(cfg)
+    # task=check's default set is the check set, trimmed to whole chunks (gate.check_trajectories)
+    own_set = cfg.task != "capacity" and not (cfg.task == "check" and cfg.trajectories.name == "calibration")
+    if own_set and cfg.trajectories.num_frames % chunk and not cfg.trajectories.file:
+        raise ValueError(f"config: model.wan.chunk_frames={chunk} does not divide "
                          f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
     cfg.fit.check()
@@ -343,6 +344,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:
         raise ValueError("config: task=compare needs a non-empty schemes=[...]")
+
+
+def frames_per_step(cfg: Config) -> int:
+    """Frames the model generates per step (one cache frame): Wan's chunk of latent frames, else 1.
+    A trajectory's length must be a multiple of it."""
+    return cfg.model.wan.chunk_frames if cfg.model.name == "wan_diffusers" else 1
 
 
 def resolve_split(cfg: Config) -> str:
