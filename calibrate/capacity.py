@@ -281,9 +281,10 @@ def capacity(shape: Shape, device_budget: int, reserve: int, sink_frames: int, r
         bytes_at = functools.lru_cache(maxsize=None)(lambda w, c=c: device_bytes(info, c, w, sink_frames))
         w = largest_window(bytes_at, budget, most)
         if w == 0:
-            need = bytes_at(1)
+            why = ("does not fit: the weights and reserve leave no room" if budget <= 0 else
+                   f"does not fit: window 1 needs {bytes_at(1)} B")
             rows.append(row | {"window": 0, "latent_frames": 0, "device_bytes": 0, "host_bytes": None,
-                               "note": "; ".join(filter(None, [c.note, f"does not fit: window 1 needs {need} B"]))})
+                               "note": "; ".join(filter(None, [c.note, why]))})
             continue
         nbytes = bytes_at(w)
         rest = max(chunks - w - sink_frames, 0)
@@ -318,7 +319,8 @@ def markdown(rep: dict, command: str) -> str:
         f"{m['num_params']:,} parameters ({m['source']})",
         f"- device {gib(rep['device_budget_bytes'])} GiB - weights {gib(rep['weight_bytes'])} GiB (bf16) - reserve "
         f"{gib(rep['reserve_bytes'])} GiB = cache budget {gib(rep['cache_budget_bytes'])} GiB "
-        f"(`task=calibrate memory.device_budget={max(rep['cache_budget_bytes'], 0)}` plans under it)",
+        + (f"(`task=calibrate memory.device_budget={rep['cache_budget_bytes']}` plans under it)"
+           if rep["cache_budget_bytes"] > 0 else "(the weights and reserve alone exceed the device: nothing fits)"),
         f"- {rep['sink_frames']} sink chunk(s); rollout of {rep['rollout_frames']} latent frames "
         f"({rep['rollout_chunks']} chunks): what the window leaves out goes to a host tier",
         "- bytes from the memory model (`memory.predicted_cache_bytes`, equal to the runtime's packed tensors); "

@@ -97,7 +97,9 @@ def test_weights_over_the_budget_and_a_whole_rollout():
     shape = cap.Shape(WAN_LIKE, 1, 10**9, "test")
     naive = [cap.Counted("naive2", "baseline", cap.baseline_groups("naive2", WAN_LIKE))]
     row = cap.capacity(shape, 10**9, 0, 1, 100, naive)["rows"][0]  # 2 GB of weights in 1 GB
-    assert row["window"] == 0 and "does not fit" in row["note"]
+    assert row["window"] == 0 and "does not fit: the weights and reserve leave no room" in row["note"]
+    row = cap.capacity(shape, 2 * 10**9 + 1000, 0, 1, 100, naive)["rows"][0]  # room, but not for one chunk
+    assert row["window"] == 0 and row["note"].startswith("does not fit: window 1 needs")
     row = cap.capacity(shape, 10**12, 0, 1, 100, naive)["rows"][0]
     assert row["window"] == 99 and row["whole_rollout"] and row["host_bytes"] == 0 and row["latent_frames"] == 100
 

@@ -94,7 +94,12 @@ def calibrate(args: list[str], cwd: Path, capsys, monkeypatch) -> tuple[int, str
 def test_page_commands_run_on_the_tiny_wan(page, scratch, capsys, monkeypatch):
     for i, args in enumerate(page_commands(page)):
         task = next((a.split("=", 1)[1] for a in args if a.startswith("task=")), "calibrate")
-        extra = [] if task == "capacity" else [f"model.wan.config={scratch / 'tiny'}", *SHRINK, *SHRINK_EVAL]
+        fitted = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), None)
+        extra = [f"model.wan.config={scratch / 'tiny'}", *SHRINK]  # the tiny model a recipe was fitted for
+        if task == "capacity" and fitted is None:
+            extra = []  # real shapes, no weights: as written
+        elif task != "capacity":
+            extra += SHRINK_EVAL
         if task == "calibrate":
             extra += SHRINK_FIT
         if not any(a.startswith("hydra.run.dir=") for a in args):
@@ -110,7 +115,12 @@ def test_page_commands_run_on_the_tiny_wan(page, scratch, capsys, monkeypatch):
         if task == "capacity":
             run_dir = scratch / next(a.split("=", 1)[1] for a in extra if a.startswith("hydra.run.dir="))
             rep = json.loads((run_dir / "capacity.json").read_text())
-            assert rep["model"]["num_layers"] == 30 and rep["model"]["chunk_frames"] == 3
+            assert rep["model"]["chunk_frames"] == 3
+            if fitted is None:
+                assert rep["model"]["num_layers"] == 30
+            else:  # the page's own fitted recipe, of this (tiny) shape: counted exactly
+                row = next(r for r in rep["rows"] if r["scheme"] == Path(fitted).stem)
+                assert row["counted"] == "exact" and row["origin"] == "recipe"
         if task == "calibrate":
             run_dir = scratch / next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
             assert (run_dir / "recipe.safetensors").is_file()
