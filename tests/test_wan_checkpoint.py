@@ -153,6 +153,9 @@ def test_bad_checkpoints_fail_with_one_line(tiny, tmp_path):
     save_file(bad_shape, tmp_path / "shape.safetensors")
     (tmp_path / "garbage.safetensors").write_bytes(os.urandom(64))
     (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "text.pt").write_text("hello")
+    torch.save(orig, tmp_path / "full.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "full.pt").read_bytes()[:300])
     cases = {
         "code.pt": "refused: it pickles Python objects, not only tensors",
         "raw.pth": "refused",
@@ -164,6 +167,8 @@ def test_bad_checkpoints_fail_with_one_line(tiny, tmp_path):
         "garbage.safetensors": "not a readable safetensors file",
         "notes.txt": "not a diffusers model directory, a .safetensors file or a state dict",
         "missing.pt": "no such file or directory",
+        "text.pt": "is not a readable checkpoint",
+        "cut.pt": "is not a readable checkpoint",
     }
     for name, message in cases.items():
         with pytest.raises(wan.AdapterError) as e:

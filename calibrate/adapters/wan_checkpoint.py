@@ -144,11 +144,12 @@ def read_file(path: Path, mmap: bool = True):
         raise AdapterError(f"model.weights: {path} is not a diffusers model directory or a checkpoint file "
                            f"(no such file or directory)")
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
             return load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types for a damaged file
+        except (SafetensorError, OSError, ValueError) as e:
             raise AdapterError(f"model.weights: {path} is not a readable safetensors file "
                                f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
     if path.suffix not in PICKLE_SUFFIXES:
@@ -161,12 +162,14 @@ def read_file(path: Path, mmap: bool = True):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):  # not a pickle at all
+            raise AdapterError(f"model.weights: {path} is not a readable checkpoint ({str(e).splitlines()[0]})") from None
         found = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise AdapterError(f"model.weights: {path} was refused: it pickles Python objects, not only tensors"
                            f"{f' ({found})' if found else ''}; calibrate reads .pt/.pth files with "
                            f"torch.load(weights_only=True) and never runs their code: save the state dict alone "
                            f"(or as .safetensors)") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError) as e:  # a damaged or foreign file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AdapterError(f"model.weights: {path} is not a readable checkpoint ({first})") from None
 
