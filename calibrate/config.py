@@ -33,7 +33,7 @@ from calibrate.world.train_config import TrainConfig
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf"
 
-TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
+TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world", "capacity")
 MODELS = ("tinyworld", "wan_diffusers")
 DEVICES = "auto, cpu or cuda[:N]"
 SPLITS = ("auto", "train", "calibration", "evaluation")
@@ -78,7 +78,7 @@ class CacheConfig:
 @dataclass
 class ModelConfig:
     name: str = "tinyworld"  # one of MODELS
-    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
+    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir or checkpoint file (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
     wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers (adapters/wan_diffusers.py)
 
@@ -228,9 +228,12 @@ class CheckConfig:
 def check_set(cfg: "Config", recorded: dict | None = None) -> "TrajectoriesConfig":
     """The CI gate's trajectory set: conf/trajectories/check.yaml (evaluation seeds), its count and
     length taken from `check.num_trajectories` / `check.num_frames` when set, else from `recorded`
-    (the set a recipe recorded its check metrics on), else the file's."""
+    (the set a recipe recorded its check metrics on), else the file's, cut to whole steps of the
+    model (Wan in chunks of 3 latent frames: 126 of its 128 frames). A length given explicitly is
+    taken as it is (`check_chunking` refuses one that is not whole chunks)."""
     loaded = OmegaConf.merge(OmegaConf.structured(TrajectoriesConfig), OmegaConf.load(CONF_DIR / "trajectories" / "check.yaml"))
     out: TrajectoriesConfig = OmegaConf.to_object(loaded)
+    out.num_frames -= out.num_frames % frames_per_step(cfg)
     for name in ("num_trajectories", "num_frames"):
         value = getattr(cfg.check, name)
         if value is None and recorded:
@@ -283,6 +286,47 @@ class MemoryConfig:
 
 
 @dataclass
+class CapacityConfig:
+    """task=capacity (capacity.py): the frames of cache that fit beside the weights in memory.device_budget."""
+
+    rollout_frames: int = 1200  # latent frames of the rollout (5 min of 16 fps video with Wan's VAE); the rest goes to a host tier
+    reserve: str = "0"  # device bytes kept for what is not counted (text encoder, VAE, activations), e.g. 4GiB
+    # an explicit shape instead of model='s (num_layers set: give every field below, chunk_frames defaults to 1)
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tokens_per_latent_frame: int | None = None
+    chunk_frames: int | None = None  # latent frames per cache frame
+    num_params: int | None = None  # weights counted at 2 bytes (bf16) each
+
+    SHAPE = ("num_layers", "num_kv_heads", "head_dim", "tokens_per_latent_frame", "num_params")
+
+    def reserve_bytes(self) -> int:
+        from calibrate.fit.plan_search import byte_count
+
+        return 0 if str(self.reserve).strip() in ("0", "") else byte_count(self.reserve)
+
+    def check(self) -> None:
+        _positive("capacity.rollout_frames", self.rollout_frames)
+        try:
+            self.reserve_bytes()
+        except ValueError:
+            raise ValueError(f"config: capacity.reserve={self.reserve!r} is not a byte count (e.g. 0, 4GiB)") from None
+        given = [n for n in (*self.SHAPE, "chunk_frames") if getattr(self, n) is not None]
+        if self.num_layers is None and given:
+            raise ValueError(f"config: capacity.{given[0]} is part of an explicit shape: also set capacity.num_layers "
+                             f"and the rest of {', '.join(self.SHAPE)}")
+        if self.num_layers is not None:
+            missing = [n for n in self.SHAPE if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"config: an explicit shape (capacity.num_layers) needs capacity.{missing[0]} too")
+            for n in self.SHAPE:
+                _positive(f"capacity.{n}", getattr(self, n))
+            if self.chunk_frames is not None:
+                _positive("capacity.chunk_frames", self.chunk_frames)
+
+
+@dataclass
 class Config:
     task: str = "calibrate"  # one of TASKS
     device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
@@ -297,6 +341,7 @@ class Config:
     check: CheckConfig = field(default_factory=CheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -323,12 +368,19 @@ def validate(cfg: Config) -> None:
     cfg.model.check()
     cfg.trajectories.check()
     cfg.check.check()
-    if cfg.model.name == "wan_diffusers":
+    if cfg.task != "capacity":
         check_chunking(cfg)
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
     cfg.memory.check()
+    cfg.capacity.check()
+    if cfg.task == "capacity":
+        from calibrate.fit.plan_search import byte_count
+
+        if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
+            raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "
+                             f"got {cfg.memory.device_budget}")
     if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
         raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
                          "use eval.runtime=auto with memory.device_budget")
@@ -340,25 +392,31 @@ def validate(cfg: Config) -> None:
         raise ValueError("config: task=compare needs a non-empty schemes=[...]")
 
 
+def frames_per_step(cfg: Config) -> int:
+    """Frames the model generates per step (one cache frame): Wan's chunk of latent frames, else 1.
+    A trajectory's length must be a multiple of it."""
+    return cfg.model.wan.chunk_frames if cfg.model.name == "wan_diffusers" else 1
+
+
 def check_chunking(cfg: Config) -> None:
     """Every frame count the task will roll out is whole chunks of `model.wan.chunk_frames`: found
-    here, in the first seconds, not after a replay and a fit (a Self-Forcing-style chunking of 3
-    and the check set's 128 frames would fail only when the recipe is about to be written)."""
-    chunk = cfg.model.wan.chunk_frames
-    counts = {} if cfg.trajectories.file else {"trajectories.num_frames": cfg.trajectories.num_frames}
+    here, in the first seconds, not after a replay and a fit (with Self-Forcing's chunks of 3, a
+    check set of 128 frames used to fail when the recipe was about to be written)."""
+    chunk = frames_per_step(cfg)
+    counts = {}
+    # task=check's default set is the check set (cut to whole chunks: check_set)
+    if not cfg.trajectories.file and not (cfg.task == "check" and cfg.trajectories.name == "calibration"):
+        counts["trajectories.num_frames"] = cfg.trajectories.num_frames
     if cfg.task == "calibrate":
         if cfg.quant.preset == "ours":
             counts["fit.closed_loop_frames"] = cfg.fit.closed_loop_frames
-        counts["check.num_frames"] = check_set(cfg).num_frames
         if cfg.memory.device_budget is not None:
             counts["memory.search_frames"] = cfg.memory.search_frames
-    if cfg.task == "check" and cfg.check.num_frames is not None:
+    if cfg.task in ("calibrate", "check") and cfg.check.num_frames is not None:
         counts["check.num_frames"] = cfg.check.num_frames
     for key, n in counts.items():
         if n % chunk:
-            what = "the check set's frames (conf/trajectories/check.yaml)" if key == "check.num_frames" and \
-                cfg.check.num_frames is None else key
-            raise ValueError(f"config: model.wan.chunk_frames={chunk} does not divide {what}={n}; set {key} to a "
+            raise ValueError(f"config: model.wan.chunk_frames={chunk} does not divide {key}={n}; set {key} to a "
                              f"multiple of {chunk} (e.g. {key}={max(n - n % chunk, chunk)})")
 
 

@@ -33,6 +33,7 @@ from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomi
 from calibrate.recipe import Recipe, load_recipe
 from calibrate.replay import Recorder, record
 from calibrate.schemes import BASELINES, CALIBRATED, KVSample, build_baseline
+from calibrate.shipped import RECIPE_DIR, is_shipped_name, resolve_recipe, shipped_recipes
 from calibrate.stats_report import plot_report, report
 from calibrate.trace import TracePlan
 from calibrate.types import Trajectory
@@ -161,8 +162,7 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
 
 
 # ---- schemes: presets or recipe files ----------------------------------------------------------
-_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-SHIPPED_RECIPES = _SOURCE_RECIPES if _SOURCE_RECIPES.is_dir() else Path(__file__).resolve().parent / "recipes"
+SHIPPED_RECIPES = RECIPE_DIR  # shipped.py: recipes/ of a checkout, or calibrate/recipes of an install
 OURS = "tinyworld-ours-2bit.safetensors"
 
 
@@ -180,7 +180,7 @@ def calibration_sample(cfg: Config, model: World, device: torch.device) -> KVSam
 
 def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.device,
                     sample: KVSample | None = None) -> dict[str, Recipe]:
-    """Recipes for preset names (baselines, `ours` = the shipped recipe) or recipe paths.
+    """Recipes for preset names (baselines, `ours` = the shipped recipe), shipped recipe names or recipe paths.
 
     Calibrated baselines fit on `sample`, or on a calibration replay made here when not given.
     """
@@ -193,10 +193,12 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
             recipes[name] = build_baseline(name, info, sample)
         elif name == "ours":
             recipes[name] = load_recipe(SHIPPED_RECIPES / OURS, info)
-        elif name.endswith(".safetensors") or Path(name).exists():
-            recipes[Path(name).stem] = load_recipe(name, info)
+        elif is_shipped_name(name) or name.endswith(".safetensors") or Path(name).exists():
+            path = resolve_recipe(name)
+            recipes[path.stem] = load_recipe(path, info)
         else:
-            raise ValueError(f"unknown scheme '{name}': use a preset ({', '.join(BASELINES)}, ours) or a recipe path")
+            raise ValueError(f"unknown scheme '{name}': use a preset ({', '.join(BASELINES)}, ours), a shipped recipe "
+                             f"({', '.join(shipped_recipes())}) or a recipe path")
     return recipes
 
 
@@ -327,9 +329,10 @@ def command_line() -> str:
 
 
 def run_evaluate(cfg: Config, out_dir: Path) -> dict:
+    path = resolve_recipe(cfg.recipe)
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, as_world(model).info)}
+    recipes = {path.stem: load_recipe(path, as_world(model).info)}
     evaluate_and_report(cfg, out_dir, recipes, model, device, command_line())
     return {"report": str(out_dir / "report.json")}
 
@@ -345,9 +348,10 @@ def run_compare(cfg: Config, out_dir: Path) -> dict:
 # ---- task=check: the CI gate (gate.py) ----------------------------------------------------------
 def run_check(cfg: Config, out_dir: Path) -> dict:
     """Replay the check set with the recipe and compare against thresholds (exit 0 pass / 1 fail / 2 bad input)."""
+    path = resolve_recipe(cfg.recipe)
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipe = load_recipe(cfg.recipe, as_world(model).info)
+    recipe = load_recipe(path, as_world(model).info)
     recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
         # the default set of a check is the check set, as long as the recipe measured it

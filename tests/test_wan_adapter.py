@@ -185,7 +185,7 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     (["model.weights=/no/such/dir"], "is not a diffusers model directory"),
     (["model.wan.chunk_frames=5"], "does not divide"),
     (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=24",
-      "check.num_frames=null"], "does not divide the check set's frames (conf/trajectories/check.yaml)=128"),
+      "check.num_frames=128"], "does not divide check.num_frames=128; set check.num_frames to a multiple of 3"),
     (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=20"],
      "fit.closed_loop_frames=18"),
     (["fit.trace_bytes=12 parsecs"], "fit.trace_bytes"),
