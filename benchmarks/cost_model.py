@@ -12,10 +12,12 @@ FLOPs (multiply-adds count 2):
     cross-attention keys, per pass  2 * 2 X C^2 * L                          (text tokens: small)
     attention, cache frame f        att(f) = 4 H D T * T n(f) * L            q.k and p.v
     one rollout of one trajectory   R = sum_f P (T lin L + att(f))
-    replay, per trajectory          R + sum_f (att(f) / 2 + 12 H T D^2 L)    recording: the attention mass
-                                                                              (q.k again), 6 Gram updates
-    objective call (one layer)      2 classes x 4 B' H D S^2 sum_f' n(f') + reconstruction 4 B' H F' S D^2
-    objective calls                 L (1 + 2 |intra| |inter|) + 3 (L + U), U mixed-precision upgrades
+    replay, per trajectory          R + the recording of F x L cache frames (statistics with their Gram
+                                    matrices, reservoirs, the attention mass: timed, `Throughput.record_s`)
+    objective layer pass            4 B' H D S^2 sum_f' n(f')
+    coded head sequence             4 B' F' S D^2
+    counts (`fit_counts`)           L (1 + 2 grid) + 3 L + 3 U / H layer passes, L H (2 grid + 5) + 4 U
+                                    sequences, 2 L H (grid + 2) + 2 U fitted codes; U upgrades
 
 Phases: replay (N_cal trajectories), fit (objective calls), closed loop ((1 + candidates) x
 N_cl rollouts), evaluation (2 rollouts + the shadows' attention per trajectory), check set (2
@@ -26,8 +28,10 @@ statistics + trace (+ the fit's references: a third of the trace). fp cache = 2 
 (float32, what the cache computes in); activations ~ 3 T max(M, 3 C) x 4; score block =
 `cache.SCORE_BLOCK_ELEMENTS` x 4 x 2; statistics = 6 grams L H D^2 x 8 + 3 histograms L H D 256 x 8.
 
-Time = FLOPs / throughput, with the throughput of the GEMM and attention shapes measured on the
-machine (`benchmarks/scale.py` times them) or assumed for a GPU (stated where used).
+Time = FLOPs / throughput + fixed costs per unit of work (a model pass, a coded frame of one
+head, a fitted head code), with the throughputs of the GEMM, attention and float64 shapes measured
+on the machine (`benchmarks/scale.py` times them, and fits the fixed costs on the smallest size,
+where they dominate) or assumed for a GPU (stated where used).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class Run:
     trace_element: int = 4
     grid: int = 9  # |intra_mults| x |inter_mults|
     upgrades: int | None = None  # U; default: estimated from the budget headroom
-    headroom_bits: float = 0.4  # budget minus the base recipe's bits (U estimate)
+    headroom_bits: float = 0.18  # budget minus the base recipe's bits (U estimate): 2.5 - 2.32, as measured (scale.json)
     bits_step: float = 0.25
     attention_metrics: bool = True
 
@@ -119,33 +123,39 @@ def upgrades(m: Model, run: Run) -> int:
     return int(run.headroom_bits * 2 * m.layers * m.heads / run.bits_step)
 
 
-def objective_calls(m: Model, run: Run) -> int:
-    return m.layers * (1 + 2 * run.grid) + 3 * (m.layers + upgrades(m, run))
+def fit_counts(m: Model, run: Run) -> dict[str, float]:
+    """What the fit does, counted from fit/predictive_search.py (U upgrades):
+
+    layer passes of the objective   L (1 + 2 grid) + 3 L       references, the step grid, pricing
+    head passes after upgrades      3 U                        (each 1/H of a layer pass)
+    coded head sequences            L H (2 grid + 5) + 4 U     (one head's F' frames, quant/predictive.py)
+    fitted head codes               2 L H (grid + 2) + 2 U     (fit/predictive.fit_head: PCA + widths)
+    """
+    u = upgrades(m, run)
+    return {"layer_passes": m.layers * (1 + 2 * run.grid) + 3 * m.layers + 3 * u / m.heads,
+            "sequences": m.layers * m.heads * (2 * run.grid + 5) + 4 * u,
+            "codes": 2 * m.layers * m.heads * (run.grid + 2) + 2 * u}
 
 
 def objective_flops(m: Model, run: Run) -> dict[str, float]:
-    """One objective call (one layer): attention over the trace, and reconstructing one tensor."""
+    """One objective layer pass (attention of the trace's queries over their window, read as the
+    runtime reads it), and one coded head sequence (two D x D products per frame and slot)."""
     b, f, s = trace_slots(m, run)
     band = sum(held(i, run) for i in range(f))
-    return {"attention": 2 * 4.0 * b * m.heads * m.head_dim * s * s * band,
-            "reconstruct": 4.0 * b * m.heads * f * s * m.head_dim ** 2}
+    return {"attention": 4.0 * b * m.heads * m.head_dim * s * s * band,
+            "sequence": 4.0 * b * f * s * m.head_dim ** 2}
 
 
 def phases(m: Model, run: Run) -> dict[str, dict[str, float]]:
-    """FLOPs per phase, split by kind (linear / attention / other)."""
+    """FLOPs per phase, split by kind (linear / attention); the replay's recording is `record_s`."""
     r = rollout_flops(m, run.frames, run)
     cl = rollout_flops(m, run.closed_loop_frames or run.frames, run)
     ck = rollout_flops(m, run.check_frames or run.frames, run)
-    record = {"attention": attention_flops(m, run.frames, run) / 2,
-              "other": 12.0 * m.heads * m.tokens * m.head_dim ** 2 * m.layers * run.frames}
-    o = objective_flops(m, run)
-    calls = objective_calls(m, run)
+    o, c = objective_flops(m, run), fit_counts(m, run)
     shadow = attention_flops(m, run.frames, run) if run.attention_metrics else 0.0
     return {
-        "replay": {"linear": run.calibration * r["linear"],
-                   "attention": run.calibration * (r["attention"] + record["attention"]),
-                   "other": run.calibration * record["other"]},
-        "fit": {"attention": calls * o["attention"], "other": calls * o["reconstruct"]},
+        "replay": {k: run.calibration * v for k, v in r.items()},
+        "fit": {"attention": c["layer_passes"] * o["attention"], "linear": c["sequences"] * o["sequence"]},
         "closed loop": {k: (1 + run.candidates) * run.closed_loop * v for k, v in cl.items()},
         "evaluation": {"linear": 2 * run.evaluation * r["linear"],
                        "attention": run.evaluation * (2 * r["attention"] + shadow)},
@@ -155,24 +165,40 @@ def phases(m: Model, run: Run) -> dict[str, dict[str, float]]:
 
 @dataclass
 class Throughput:
-    """FLOP/s per kind (measured on a CPU, or assumed for a GPU); `other` covers what is neither."""
+    """What the time model needs of a machine at one size: FLOP/s of the model's GEMMs and of the
+    cache's attention, and fixed costs per unit of work that FLOPs do not describe (kernel launches,
+    Python, elementwise passes): the recording of one cache frame in one layer (statistics,
+    reservoirs, attention mass), one frame of one head coded (quant/predictive.py), one head's code
+    fitted (PCA, widths, steps), and a model pass's fixed part."""
 
     linear: float
     attention: float
-    other: float
+    record_s: float = 0.0  # per cache frame and layer, replay only
+    step_s: float = 0.0  # per coded frame of one head (its FLOPs included)
+    code_s: float = 0.0  # per fitted head code
+    per_pass_s: float = 0.0  # per model pass over a cache frame
     note: str = ""
-    per_pass_s: float = 0.0  # fixed cost per model pass (kernel launches, Python): measured or assumed
-    extra: dict = field(default_factory=dict)
+
+
+def passes(run: Run) -> dict[str, int]:
+    """Model passes per phase: trajectories x frames x passes per frame, per rollout."""
+    per = lambda trajs, frames: trajs * frames * run.passes
+    return {"replay": per(run.calibration, run.frames),
+            "closed loop": (1 + run.candidates) * per(run.closed_loop, run.closed_loop_frames or run.frames),
+            "evaluation": 2 * per(run.evaluation, run.frames),
+            "check set": 2 * per(run.check, run.check_frames or run.frames), "fit": 0}
 
 
 def seconds(m: Model, run: Run, tp: Throughput) -> dict[str, float]:
-    """Predicted seconds per phase."""
+    """Predicted seconds per phase: FLOPs at their kind's rate, plus the fixed costs of its units."""
+    counts, n = fit_counts(m, run), passes(run)
+    b, f, s = trace_slots(m, run)
     out = {}
-    passes = {"replay": run.calibration, "closed loop": (1 + run.candidates) * run.closed_loop,
-              "evaluation": 2 * run.evaluation, "check set": 2 * run.check, "fit": 0}
     for name, flops in phases(m, run).items():
-        t = sum(v / getattr(tp, kind) for kind, v in flops.items())
-        out[name] = t + passes[name] * run.frames * run.passes * tp.per_pass_s
+        out[name] = sum(v / getattr(tp, kind) for kind, v in flops.items()) + n[name] * tp.per_pass_s
+    out["replay"] += run.calibration * run.frames * m.layers * tp.record_s
+    out["fit"] = (counts["layer_passes"] * objective_flops(m, run)["attention"] / tp.attention
+                  + counts["sequences"] * f * tp.step_s + counts["codes"] * tp.code_s)
     return out
 
 

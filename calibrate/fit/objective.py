@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import Rope
+from calibrate.quant.blockattn import OnlineSoftmax
 
 
 OBJECTIVE_BLOCK_ELEMENTS = 1 << 24  # logits one block of (query rows x key columns) may hold
@@ -138,10 +139,12 @@ def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Ten
     logits of that class's keys: the key-noise logit correction as the runtime applies it.
 
     Streaming: query frames go a block at a time over the key frames they see (sinks + window),
-    so at most `budget` logits exist at once, never [F*T, F*T]; a single query frame whose keys
-    exceed the budget takes its key frames a block at a time with an online softmax (its own
-    frame first: every row then has a finite logit). One block covering every frame is the
-    dense computation itself. `budget` defaults to `OBJECTIVE_BLOCK_ELEMENTS`.
+    so at most `budget` logits (default `OBJECTIVE_BLOCK_ELEMENTS`) exist at once, never
+    [F*T, F*T]. A block of several frames masks each precision class as the dense computation
+    did (one block covering every frame is that computation, bit for bit); a block of one frame
+    gathers each key frame from its class, as the runtime reads its cache, and attends once, its
+    keys a block at a time through the online softmax (quant/blockattn.py) when they exceed the
+    budget.
     """
     B, H, F, T, D = trace.q.shape
     budget = budget or OBJECTIVE_BLOCK_ELEMENTS
@@ -149,14 +152,8 @@ def attention_outputs(trace: LayerTrace, k_hat: Tensor | None = None, v_hat: Ten
     out = trace.q.new_empty(B, H, F, T, D)
     for frames in query_frame_blocks(F, T, B * H, trace.window, trace.sink_frames, budget):
         keys = _key_frames(frames, trace.window, trace.sink_frames)
-        if B * H * len(frames) * T * len(keys) * T <= budget or len(keys) == 1:
-            out[:, :, frames.start:frames.stop] = _dense(trace, classes, frames, keys, shift)
-        else:
-            own = [frames.start]
-            rest = [j for j in keys if j != frames.start]
-            step = max(1, budget // (B * H * T * T))
-            out[:, :, frames.start:frames.stop] = _online(trace, classes, frames, [own] + [
-                rest[i:i + step] for i in range(0, len(rest), step)], shift)
+        block = _one_frame if len(frames) == 1 else _dense
+        out[:, :, frames.start:frames.stop] = block(trace, classes, frames, keys, shift, budget)
     return out
 
 
@@ -186,50 +183,47 @@ def _class_masks(trace: LayerTrace, classes: list[_Class], frames, keys) -> tupl
     return tokens(visible_frames(f, j, trace.window, trace.sink_frames)), masks
 
 
-def _class_logits(trace, c: _Class, q: Tensor, frames, keys, shift) -> Tensor:
-    B, H = q.shape[:2]
-    kc = _select(trace.k if c.k is None else c.k, keys)
-    logits = torch.einsum("bhnd,bhmd->bhnm", q, kc) * (1.0 / math.sqrt(q.shape[-1]))
-    if shift is not None and c.name in shift:
-        logits = logits - _select(shift[c.name].unsqueeze(-1), frames).reshape(B, H, -1, 1)
-    return logits
-
-
-def _dense(trace: LayerTrace, classes: list[_Class], frames, keys, shift) -> Tensor:
-    """One block: the softmax over every key the block's rows see, per class."""
+def _dense(trace: LayerTrace, classes: list[_Class], frames, keys, shift, budget: int) -> Tensor:
+    """Several query frames: the softmax over every key the block's rows see, each class by mask."""
     B, H, F, T, D = trace.q.shape
     q = _select(trace.q, frames)
     visible, masks = _class_masks(trace, classes, frames, keys)
     logits = torch.zeros(B, H, q.shape[2], visible.shape[1], dtype=q.dtype, device=q.device)
+    scale = 1.0 / math.sqrt(D)
     for c, mask in zip(classes, masks):
-        logits = torch.where(mask, _class_logits(trace, c, q, frames, keys, shift), logits)
+        class_logits = torch.einsum("bhnd,bhmd->bhnm", q, _select(trace.k if c.k is None else c.k, keys)) * scale
+        if shift is not None and c.name in shift:
+            class_logits = class_logits - _select(shift[c.name].unsqueeze(-1), frames).reshape(B, H, -1, 1)
+        logits = torch.where(mask, class_logits, logits)
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     out = sum((probs * mask) @ _select(trace.v if c.v is None else c.v, keys) for c, mask in zip(classes, masks))
     return out.reshape(B, H, len(frames), T, D)
 
 
-def _online(trace: LayerTrace, classes: list[_Class], frames, key_blocks: list[list[int]], shift) -> Tensor:
-    """One query frame over its key frames a block at a time: the online softmax of quant/blockattn.py
-    (running max m, normaliser l and accumulator acc per row), with a value tensor per class."""
+def _one_frame(trace: LayerTrace, classes: list[_Class], frames, keys, shift, budget: int) -> Tensor:
+    """One query frame: every key frame it sees read from its class (the runtime's read), one
+    attention; key frames a block at a time through the online softmax beyond `budget` logits."""
     B, H, F, T, D = trace.q.shape
-    q = _select(trace.q, frames)
-    m = l = acc = None
-    for keys in key_blocks:
-        visible, masks = _class_masks(trace, classes, frames, keys)
-        logits = torch.zeros(B, H, q.shape[2], visible.shape[1], dtype=q.dtype, device=q.device)
-        for c, mask in zip(classes, masks):
-            logits = torch.where(mask, _class_logits(trace, c, q, frames, keys, shift), logits)
-        logits = logits.masked_fill(~visible, float("-inf"))
-        m_new = logits.amax(-1, keepdim=True) if m is None else torch.maximum(m, logits.amax(-1, keepdim=True))
-        p = (logits - m_new).exp()
-        part = sum((p * mask) @ _select(trace.v if c.v is None else c.v, keys) for c, mask in zip(classes, masks))
-        if m is None:
-            l, acc = p.sum(-1, keepdim=True), part
-        else:
-            corr = (m - m_new).exp()
-            l, acc = l * corr + p.sum(-1, keepdim=True), acc * corr + part
-        m = m_new
-    return (acc / l).reshape(B, H, len(frames), T, D)
+    f = frames.start
+    f_t, j_t = torch.tensor([f]), torch.tensor(keys)
+    taken = torch.zeros(1, len(keys), dtype=torch.bool)
+    owner = [None] * len(keys)  # the class each key frame is read from
+    for c in classes:
+        m = c.takes(f_t, j_t) & ~taken
+        taken |= m
+        for i in m[0].nonzero().flatten().tolist():
+            owner[i] = c
+    read = lambda which: torch.stack([(getattr(c, which) if getattr(c, which) is not None else getattr(trace, which))
+                                      [:, :, j] for j, c in zip(keys, owner)], dim=2).flatten(2, 3)
+    k, v = read("k"), read("v")
+    bias = None
+    if shift is not None and any(c.name in shift for c in owner):
+        zero = trace.q.new_zeros(B, H, T)
+        bias = -torch.stack([shift[c.name][:, :, f] if c.name in shift else zero for c in owner], dim=-1)
+        bias = bias.unsqueeze(-1).expand(B, H, T, len(keys), T).flatten(3, 4)
+    acc = OnlineSoftmax(trace.q[:, :, f], key_block=max(budget // (B * H * T), 1))
+    acc.add(k, v, bias)
+    return acc.result().unsqueeze(2)
 
 
 @dataclass
