@@ -19,7 +19,7 @@ import torch
 
 from calibrate import distributed, gate
 from calibrate.adapters import as_world
-from calibrate.config import Config, parse_bytes
+from calibrate.config import Config, frames_per_step, parse_bytes
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.report import summary_metrics
 from calibrate.evaluate.run import evaluate
@@ -40,12 +40,14 @@ log = logging.getLogger(__name__)
 
 
 def trace_plan(cfg: Config, info) -> TracePlan:
-    """What the calibration replay traces for the objective (trace.py), under `fit.trace_tokens`
-    and `fit.trace_bytes`; refused here, before any replay, when not one token slot fits. A bf16
-    Wan's K/V are exact in bfloat16, so its trace keeps them so (half the bytes)."""
+    """What the calibration replay traces for the objective (trace.py): `fit.trace_frames` cache
+    frames, or the calibration trajectories' cache frames when they are fewer, under
+    `fit.trace_tokens` and `fit.trace_bytes`; refused here, before any replay, when not one token
+    slot fits. A bf16 Wan's K/V are exact in bfloat16, so its trace keeps them so (half the bytes)."""
     f = cfg.fit
     bf16 = cfg.model.name == "wan_diffusers" and cfg.model.wan.dtype == "bfloat16"
-    return plan_trace(info, min(f.trace_trajectories, cfg.trajectories.batch_size), f.trace_frames, f.trace_tokens,
+    frames = min(f.trace_frames, max(t.num_frames for t in trajectory_set(cfg)) // frames_per_step(cfg))
+    return plan_trace(info, min(f.trace_trajectories, cfg.trajectories.batch_size), frames, f.trace_tokens,
                       parse_bytes(f.trace_bytes, "fit.trace_bytes"), torch.bfloat16 if bf16 else torch.float32,
                       cfg.seed)
 
