@@ -110,10 +110,10 @@ def rollout_flops(m: Model, frames: int, run: Run) -> dict[str, float]:
 
 
 def trace_slots(m: Model, run: Run) -> tuple[int, int, int]:
-    """(B', F', S) as `trace.plan_trace` chooses them (F' = frames filled)."""
-    b = min(run.trace_trajectories, run.batch)
-    per_slot = b * run.trace_frames * (3 * m.layers * m.heads * m.head_dim * run.trace_element + 2 * m.head_dim)
-    return b, min(run.trace_frames, run.frames), min(m.tokens, run.trace_tokens, run.trace_bytes // per_slot)
+    """(B', F', S) as `calibration.trace_plan` chooses them."""
+    b, f = min(run.trace_trajectories, run.batch), min(run.trace_frames, run.frames)
+    per_slot = b * f * (3 * m.layers * m.heads * m.head_dim * run.trace_element + 2 * m.head_dim)
+    return b, f, min(m.tokens, run.trace_tokens, run.trace_bytes // per_slot)
 
 
 def upgrades(m: Model, run: Run) -> int:
@@ -173,6 +173,7 @@ class Throughput:
 
     linear: float
     attention: float
+    objective: float = 0.0  # the objective's attention (FLOP/s at the trace's shape); 0: `attention`
     record_s: float = 0.0  # per cache frame and layer, replay only
     step_s: float = 0.0  # per coded frame of one head (its FLOPs included)
     code_s: float = 0.0  # per fitted head code
@@ -197,7 +198,7 @@ def seconds(m: Model, run: Run, tp: Throughput) -> dict[str, float]:
     for name, flops in phases(m, run).items():
         out[name] = sum(v / getattr(tp, kind) for kind, v in flops.items()) + n[name] * tp.per_pass_s
     out["replay"] += run.calibration * run.frames * m.layers * tp.record_s
-    out["fit"] = (counts["layer_passes"] * objective_flops(m, run)["attention"] / tp.attention
+    out["fit"] = (counts["layer_passes"] * objective_flops(m, run)["attention"] / (tp.objective or tp.attention)
                   + counts["sequences"] * f * tp.step_s + counts["codes"] * tp.code_s)
     return out
 
@@ -211,7 +212,7 @@ def peak_bytes(m: Model, run: Run, device_weights_bytes: int | None = None) -> d
     scores = (1 << 25) * 4 * 2
     stats = 6 * m.layers * m.heads * m.head_dim ** 2 * 8 + 3 * m.layers * m.heads * m.head_dim * 256 * 8
     b, f, s = trace_slots(m, run)
-    trace = s * b * run.trace_frames * (3 * m.layers * m.heads * m.head_dim * run.trace_element + 2 * m.head_dim)
+    trace = s * b * f * (3 * m.layers * m.heads * m.head_dim * run.trace_element + 2 * m.head_dim)
     refs = trace // 3
     objective_block = (1 << 24) * 4 * 6
     return {"weights": weights, "replay": weights + cache + act + scores + stats + trace,

@@ -153,7 +153,10 @@ def overrides(size: int, frames: int, weights: Path, run_dir: Path) -> list[str]
 
 
 def run_size(size: int, frames: int, weights: Path, work: Path) -> dict:
+    import shutil
+
     out = work / f"measured_{size}.json"
+    shutil.rmtree(work / f"run_{size}", ignore_errors=True)  # an earlier run's partial results would be reused
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "benchmarks.scale", "--worker", str(out), "--",
            *overrides(size, frames, weights, work / f"run_{size}")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -179,10 +182,11 @@ def _rate(fn, units: float = 1.0, seconds: float = 1.5) -> float:
 
 
 def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
-    """This CPU at one size, one thread: the model's GEMM and the cache's attention (FLOP/s), and the
-    units the cost model times rather than counts: recording one cache frame of one layer, coding
-    one frame of one head (`slots` tokens), fitting one head's code. The fixed part of a model pass
-    is fitted later, on the smallest size (`fit_per_pass`)."""
+    """This CPU at one size, one thread: the model's GEMM, the cache's attention and the objective's
+    attention at the trace's shape (FLOP/s), and the units the cost model times rather than counts:
+    recording one cache frame of one layer, coding one frame of one head (`slots` tokens), fitting
+    one head's code. The fixed part of a model pass is fitted later, on the smallest size
+    (`fit_per_pass`)."""
     from calibrate.cache import KVCache, Rope
     from calibrate.fit.predictive import fit_head
     from calibrate.quant.predictive import fake_quant_sequence
@@ -206,12 +210,21 @@ def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
             cache.attend(0, *frame())
         args = frame()
         caches[name] = 1.0 / _rate(lambda: cache.attend(0, *args))
+    from calibrate.fit.objective import LayerTrace, attention_outputs
+
+    trace = LayerTrace(*(torch.randn(1, 12, frames, slots, 128, generator=g) for _ in range(3)), window=WINDOW,
+                       sink_frames=SINKS)
+    hats = (trace.k + 0.1, trace.v + 0.1)
+    objective = _rate(lambda: attention_outputs(trace, *hats), cm.objective_flops(
+        cm.Model(1, 12, 128, 1536, 8960, slots), cm.Run(frames=frames, window=WINDOW, sinks=SINKS, passes=1,
+                                                         trace_tokens=slots))["attention"])
     cov = torch.randn(128, 128, generator=g, dtype=torch.float64)
     cov = cov @ cov.T / 128
     code = lambda: fit_head(torch.zeros(128), cov, cov * 0.1, 2.0)
     params = code()
     seq = torch.randn(1, frames, slots, 128, generator=g)
-    return cm.Throughput(linear=linear, attention=attention, record_s=caches["recording"] - caches["plain"],
+    return cm.Throughput(linear=linear, attention=attention, objective=objective,
+                         record_s=caches["recording"] - caches["plain"],
                          step_s=1.0 / _rate(lambda: fake_quant_sequence(seq, params), frames), code_s=1.0 / _rate(code),
                          note=f"measured here at {tokens} tokens, 1 thread")
 

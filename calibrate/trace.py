@@ -24,9 +24,9 @@ element of the trace's dtype:
     S          = min(T, fit.trace_tokens, floor(fit.trace_bytes / per slot))
     trace      = S * per slot
 
-`B'` = min(fit.trace_trajectories, the first batch's trajectories); `F` = fit.trace_frames (an
-upper bound: a shorter trajectory fills fewer frames). `plan_trace` refuses a budget that holds
-no slot, before any replay.
+`B'` = min(fit.trace_trajectories, the first batch's trajectories); `F` = min(fit.trace_frames,
+the calibration trajectories' cache frames) (calibration.trace_plan). `plan_trace` refuses a
+budget that holds no slot, before any replay.
 
 Shape legend: B' traced trajectories, H heads, F frames, S sampled slots, D head_dim, A angles.
 """
@@ -54,7 +54,7 @@ class TracePlan:
     num_heads: int
     head_dim: int
     trajectories: int  # B'
-    frames: int  # F (upper bound)
+    frames: int  # F
     slots_S: Tensor  # token slots kept in every frame, sorted, int64 [S]
     dtype: torch.dtype
 
