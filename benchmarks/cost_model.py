@@ -175,6 +175,7 @@ class Throughput:
     attention: float
     objective: float = 0.0  # the objective's attention (FLOP/s at the trace's shape); 0: `attention`
     record_s: float = 0.0  # per cache frame and layer, replay only
+    quantized_s: float = 0.0  # per pass and layer through a packed cache, beyond the float cache's attention
     step_s: float = 0.0  # per coded frame of one head (its FLOPs included)
     code_s: float = 0.0  # per fitted head code
     per_pass_s: float = 0.0  # per model pass over a cache frame
@@ -198,6 +199,12 @@ def seconds(m: Model, run: Run, tp: Throughput) -> dict[str, float]:
     for name, flops in phases(m, run).items():
         out[name] = sum(v / getattr(tp, kind) for kind, v in flops.items()) + n[name] * tp.per_pass_s
     out["replay"] += run.calibration * run.frames * m.layers * tp.record_s
+    # passes through a packed cache: every candidate's rollout, the evaluated and the checked recipe's, and
+    # the evaluation's shadow (the fp rollout's clean pass hands each frame to the packed cache and reads it back)
+    per = lambda trajs, frames: trajs * frames * run.passes * m.layers * tp.quantized_s
+    out["closed loop"] += run.candidates * per(run.closed_loop, run.closed_loop_frames or run.frames)
+    out["evaluation"] += per(run.evaluation, run.frames) + run.attention_metrics * per(run.evaluation, run.frames) / run.passes
+    out["check set"] += per(run.check, run.check_frames or run.frames)
     out["fit"] = (counts["layer_passes"] * objective_flops(m, run)["attention"] / (tp.objective or tp.attention)
                   + counts["sequences"] * f * tp.step_s + counts["codes"] * tp.code_s)
     return out

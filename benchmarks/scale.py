@@ -181,11 +181,18 @@ def _rate(fn, units: float = 1.0, seconds: float = 1.5) -> float:
     return units * n / (time.perf_counter() - t0)
 
 
+def peak_rss_mib(measured: dict) -> float:
+    """The run's peak RSS: the largest phase's. `time -v`'s maximum alone is the last phase's, since
+    each phase resets the high-water mark (`_reset_hwm`) and the kernel reports the reset value."""
+    return max([measured["peak_rss_mib"], *(p["peak_rss_mib"] for p in measured["phases"].values())])
+
+
 def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
     """This CPU at one size, one thread: the model's GEMM, the cache's attention and the objective's
     attention at the trace's shape (FLOP/s), and the units the cost model times rather than counts:
-    recording one cache frame of one layer, coding one frame of one head (`slots` tokens), fitting
-    one head's code. The fixed part of a model pass is fitted later, on the smallest size
+    recording one cache frame of one layer, attending through the fast runtime's packed cache
+    beyond the float cache's cost, coding one frame of one head (`slots` tokens), fitting one
+    head's code. The fixed part of a model pass is fitted later, on the smallest size
     (`fit_per_pass`)."""
     from calibrate.cache import KVCache, Rope
     from calibrate.fit.predictive import fit_head
@@ -210,6 +217,7 @@ def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
             cache.attend(0, *frame())
         args = frame()
         caches[name] = 1.0 / _rate(lambda: cache.attend(0, *args))
+    quantized = quantized_attend_s(info, frame)
     from calibrate.fit.objective import LayerTrace, attention_outputs
 
     trace = LayerTrace(*(torch.randn(1, 12, frames, slots, 128, generator=g) for _ in range(3)), window=WINDOW,
@@ -224,9 +232,27 @@ def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
     params = code()
     seq = torch.randn(1, frames, slots, 128, generator=g)
     return cm.Throughput(linear=linear, attention=attention, objective=objective,
-                         record_s=caches["recording"] - caches["plain"],
+                         record_s=caches["recording"] - caches["plain"], quantized_s=quantized - caches["plain"],
                          step_s=1.0 / _rate(lambda: fake_quant_sequence(seq, params), frames), code_s=1.0 / _rate(code),
                          note=f"measured here at {tokens} tokens, 1 thread")
+
+
+def quantized_attend_s(info, frame) -> float:
+    """Seconds of one attend of one layer through the fast runtime with a 2.5-bit predictive recipe
+    (frames coded, the history decoded a block at a time), the window full: `frame()` gives inputs."""
+    from benchmarks.predictive_fit import Moments, predictive_recipe
+    from calibrate.fastcache import FastKVCache
+
+    moments = Moments(1)
+    for _ in range(3):
+        q, k, v, rope = frame()
+        moments.add(0, "k", rope.apply(k))
+        moments.add(0, "v", v)
+    cache = FastKVCache.from_recipe(predictive_recipe(info, moments, 2.5), WINDOW, SINKS)
+    for _ in range(WINDOW + SINKS + 1):
+        cache.attend(0, *frame())
+    args = frame()
+    return 1.0 / _rate(lambda: cache.attend(0, *args))
 
 
 def fit_per_pass(m: cm.Model, run: cm.Run, tp: cm.Throughput, measured: dict) -> float:
@@ -326,7 +352,7 @@ def markdown(results: dict) -> str:
              "coded head sequences | upgrades |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size, m in results["sizes"].items():
-        lines.append(f"| {size} | {m['wall_seconds']:.0f} s | {m['peak_rss_mib']:.0f} MiB | "
+        lines.append(f"| {size} | {m['wall_seconds']:.0f} s | {peak_rss_mib(m):.0f} MiB | "
                      f"{m.get('trace_bytes', 0) / 2**20:.1f} MiB ({m.get('trace_slots', 0)} slots) | "
                      f"{m['objective_calls']} ({m['objective_heads']}) | "
                      f"{m['objective_seconds'] / max(m['objective_calls'], 1):.3f} | {m['head_sequences']} | "
@@ -343,7 +369,8 @@ def markdown(results: dict) -> str:
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     out_of = [f"{p} at {s}" for (s, p), e in worst.items() if abs(e) > 0.25]
     lines += ["", f"Largest error {max(abs(e) for e in worst.values()):.0%}; beyond 25%: "
-                  f"{', '.join(out_of) or 'none'}. Units timed on this CPU per size (`throughput`); the fixed part "
+                  f"{', '.join(out_of) or 'none'}. Units timed on this CPU per size (`throughput`: "
+                  f"{'re-timed ' + results['units_retimed'] + ' with `--units`' if 'units_retimed' in results else 'right before its run'}); the fixed part "
                   f"of a model pass ({pred['per_pass_s'] * 1e3:.0f} ms) fitted on the smallest size.", "",
               "## Peak RSS per phase", "", "| tokens | " + " | ".join(PHASES) + " |", "|---:|" + "---:|" * len(PHASES)]
     for size, m in results["sizes"].items():
@@ -373,11 +400,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
     parser.add_argument("--work", type=Path, default=None, help="where models and runs go (default: a temp dir)")
     parser.add_argument("--report", action="store_true", help="write scale.md again from scale.json")
+    parser.add_argument("--units", action="store_true", help="re-time the units of every size in scale.json, then report")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     if args.worker is not None:
         worker([a for a in rest if a != "--"], args.worker)
         return
+    if args.units:  # re-time every size's units into scale.json, the runs' measurements kept
+        from calibrate.io import write_text_atomic
+
+        results = json.loads((args.out / "scale.json").read_text())
+        for size in results["sizes"]:
+            tp = throughput(int(size), min(int(size), cm.Run(frames=1, window=1, sinks=0, passes=1).trace_tokens),
+                            results["frames"])
+            results["sizes"][size]["throughput"] = tp.__dict__
+            print(size, tp, flush=True)
+        results["units_retimed"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        write_text_atomic(args.out / "scale.json", json.dumps(results, indent=2) + "\n")
+        args.report = True
     if args.report:  # the report again from scale.json (the cost model changes, the measurements do not)
         from calibrate.io import write_text_atomic
 
