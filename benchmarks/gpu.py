@@ -12,11 +12,15 @@ tokens per latent frame, chunks of 3 latent frames = one cache frame of 4680 tok
    the float16 recipe), max |difference| relative to the output's scale;
 2. a predictive recipe fitted (`benchmarks/predictive_fit.py`, 2.5 bits per component, keys before
    the rotary) on two chunks of the float rollout;
-3. rollouts of `--chunks` chunks (4 denoising passes + 1 clean pass each) with window `--window` +
-   1 sink through: the float cache (`KVCache`), the float16 recipe, naive2, kivi2 and the predictive
-   recipe on the fast runtime (compiled decode, bfloat16 attention): ms per chunk, peak
-   `torch.cuda.max_memory_allocated`, KV bytes measured (= predicted), and the rollout's distance
-   to the float cache's.
+3. the compiler itself on this model (`calibration.fit`, every fit setting at its default): a replay of
+   `--calib-trajectories` trajectories of `--chunks` chunks, the bounded trace, the streaming
+   objective and the mixed-precision search on the GPU, the closed-loop selection; wall time and
+   peak `torch.cuda.max_memory_allocated` per phase, the trace's bytes, bits per element;
+4. rollouts of `--chunks` chunks (4 denoising passes + 1 clean pass each) with window `--window` +
+   1 sink through: the float cache (`KVCache`), the float16 recipe, naive2, kivi2, the predictive
+   recipe and the recipe calibrated in step 3 on the fast runtime (compiled decode, bfloat16
+   attention): ms per chunk, peak `torch.cuda.max_memory_allocated`, KV bytes measured (= predicted),
+   and the rollout's distance to the float cache's.
 
 Writes gpu.md and gpu.json. Sized for one H200 in well under 10 minutes. Without a CUDA device it
 prints one line and exits 2.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from datetime import datetime, timezone
@@ -94,6 +99,60 @@ def build(device: torch.device, settings, smoke: bool):
     return wan.WanAdapter(model, settings, text, name="wan2.1-1.3b-shaped (random weights)")
 
 
+class PhaseMeter(logging.Handler):
+    """Wall time and peak device memory of every phase the compiler logs (calibration.phase)."""
+
+    def __init__(self, clock: Clock):
+        super().__init__()
+        self.clock, self.phases, self._start = clock, {}, {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name, event = getattr(record, "phase", None), getattr(record, "event", None)
+        if event == "start":
+            self.clock.sync()
+            self.clock.reset_peak()
+            self._start[name] = time.perf_counter()
+        elif event == "end":
+            self.clock.sync()
+            self.phases[name] = {"seconds": time.perf_counter() - self._start[name], "peak_gib": self.clock.peak() / GIB}
+
+
+def calibrate_on_device(adapter, device, clock: Clock, chunks: int, window: int, trajectories: int):
+    """`calibration.fit` on this model and device, every fit setting at its default: (measurements, recipe)."""
+    from dataclasses import replace
+
+    from calibrate import calibration, trace
+    from calibrate.config import CacheConfig, Config, TrajectoriesConfig, validate
+
+    cfg = Config(task="calibrate", device=str(device))
+    cfg.model.name, cfg.model.wan, cfg.model.cache = "wan_diffusers", adapter.cfg, CacheConfig(window=window, sink_frames=1)
+    n = adapter.cfg.chunk_frames * chunks
+    cfg.trajectories = TrajectoriesConfig(num_trajectories=trajectories, num_frames=n, batch_size=trajectories)
+    cfg.fit = replace(cfg.fit, closed_loop_frames=n, closed_loop_trajectories=1)
+    cfg.check.num_frames, cfg.check.num_trajectories = n, 1
+    validate(cfg)
+    meter = PhaseMeter(clock)
+    logger = logging.getLogger("calibrate.calibration")
+    logger.addHandler(meter)
+    logger.setLevel(logging.INFO)
+    sizes = {}
+    allocate = trace.Trace._allocate
+
+    def measured_allocate(self, B, A):
+        allocate(self, B, A)
+        sizes.update(trace_gib=self.nbytes() / GIB, trace_slots=self.plan.num_slots)
+    trace.Trace._allocate = measured_allocate
+    t0 = time.perf_counter()
+    try:
+        recipe, record = calibration.fit(cfg, adapter, device)
+    finally:
+        trace.Trace._allocate = allocate
+        logger.removeHandler(meter)
+    return {"seconds": time.perf_counter() - t0, "phases": meter.phases, **sizes,
+            "bits_per_element": record["bits_per_element"], "upgrades": len(record["upgrades"]),
+            "closed_loop": record["closed_loop"]["chosen"], "trajectories": trajectories, "chunks": chunks}, recipe
+
+
 def equivalence(adapter, device, caches: dict) -> dict:
     """max |cached - uncached| / max |uncached| over three clean chunks, per cache."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
@@ -134,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--window", type=int, default=4, help="cache frames (chunks) besides the sink")
+    parser.add_argument("--calib-trajectories", type=int, default=2, help="calibration trajectories (step 3)")
     parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
     parser.add_argument("--cpu-smoke", action="store_true", help="the same steps on the CPU with a tiny Wan (a script check)")
     args = parser.parse_args(argv)
@@ -177,8 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     moments = Moments(L)
     with torch.no_grad():
         adapter.rollout(make_trajectories(["orbit"], "calibration", 1, 6, 0), MomentCache(L, W, S, moments, True), device)
+    res["calibrate"], calibrated = calibrate_on_device(adapter, device, clock, args.chunks, W, args.calib_trajectories)
+    print(json.dumps(res["calibrate"]), flush=True)
     recipes = {"fp16": fp16, "naive2": build_baseline("naive2", info), "kivi2": build_baseline("kivi2", info),
-               "predictive 2.5 bits": predictive_recipe(info, moments, 2.5, rotary_coords=1)}
+               "predictive 2.5 bits": predictive_recipe(info, moments, 2.5, rotary_coords=1),
+               "calibrated here": calibrated}
     rows, ref_frames = [], None
     caches = {"KVCache (float32, the model's own)": lambda: KVCache(L, W, S)}
     for name, recipe in recipes.items():
@@ -234,6 +297,14 @@ def main(argv: list[str] | None = None) -> None:
              "4 denoising + 1 clean pass; peak = max_memory_allocated above the weights",
              "- cached vs uncached (3 clean chunks, block-causal mask), max |diff| / max |out|: "
              + ", ".join(f"{k} {v:.2e}" for k, v in res["equivalence_rel_max"].items()), "",
+             f"## The compiler on this device (`calibration.fit`, default fit settings, {args.calib_trajectories} "
+             f"trajectories x {args.chunks} chunks)", "",
+             f"{res['calibrate']['seconds']:.0f} s in all; trace {res['calibrate'].get('trace_gib', 0):.2f} GiB "
+             f"({res['calibrate'].get('trace_slots', 0)} token slots per frame); "
+             f"{res['calibrate']['bits_per_element']:.3f} bits/element; {res['calibrate']['upgrades']} upgrades; "
+             f"closed loop chose {res['calibrate']['closed_loop']}", "",
+             "| phase | seconds | peak GiB |", "|---|---:|---:|",
+             *[f"| {k} | {v['seconds']:.1f} | {v['peak_gib']:.2f} |" for k, v in res["calibrate"]["phases"].items()], "",
              "| cache | ms / chunk | peak GiB | KV GiB | KV bytes = predicted | rollout rel. RMSE vs float cache |",
              "|---|---:|---:|---:|---|---:|"]
     for r in rows:

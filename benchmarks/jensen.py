@@ -44,6 +44,7 @@ from calibrate.fit.logit_correction import ALPHAS, key_error_variance
 from calibrate.io import write_text_atomic
 from calibrate.recipe import Recipe, Scheme, TensorSpec
 from calibrate.schemes import build_baseline
+from calibrate.trace import LayerTraces
 
 CACHES = {"channel": "jensen2", "token": "kivi2_lowmem"}
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     model = pipeline.load_world(cfg, device)
     info = model.info
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
-    traces = calibration.layer_traces(calibration.calibration_recording(cfg, model, device), window, sink, args.calib_trajectories)
+    traces = LayerTraces(calibration.calibration_recording(cfg, model, device).traces[0], window, sink)
     keys = [t.k for t in traces]
     recipes: dict[str, Recipe] = {}
     for cache in CACHES:

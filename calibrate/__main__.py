@@ -164,8 +164,23 @@ def write_records(cfg: DictConfig, config, out_dir: Path) -> None:
     write_text_atomic(records / "overrides.yaml", OmegaConf.to_yaml(hc.overrides.task))
 
 
+def task_function(task: str):
+    """`run_<task>`, imported on demand: task=capacity answers in seconds, so it does not pay for
+    importing the pipeline's evaluation and plotting stack."""
+    if task == "calibrate":
+        from calibrate.calibration import run_calibrate
+
+        return run_calibrate
+    if task == "capacity":
+        from calibrate.capacity import run_capacity
+
+        return run_capacity
+    from calibrate import pipeline
+
+    return getattr(pipeline, f"run_{task}", None)
+
+
 def run(cfg: DictConfig) -> dict:
-    from calibrate import calibration, pipeline
     from calibrate.config import to_config
 
     config = to_config(cfg)
@@ -173,12 +188,14 @@ def run(cfg: DictConfig) -> dict:
         config.quant.budget_bits = config.fit.budget_bits  # a budget requested for a preset: it must meet it
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = calibration.run_calibrate if config.task == "calibrate" else getattr(pipeline, f"run_{config.task}", None)
+    task = task_function(config.task)
     if task is None:
         raise ValueError(f"task '{config.task}' is not implemented yet")
     result = task(config, out_dir)
-    # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs
-    write_records(cfg, config, out_dir)
+    # written once the task succeeded, so a failed rerun never relabels an earlier run's outputs;
+    # of several processes (torchrun, accelerate launch) the main one writes the run directory
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_records(cfg, config, out_dir)
     if config.task == "check" and not result.get("passed", False):
         raise CheckFailed(result.get("summary", "check failed"))
     return result

@@ -12,14 +12,22 @@ those keys, and gets back the attention output over everything the cache holds:
    policy no longer keeps;
 2. `gather` returns the keys/values the frame attends to: the kept history as stored
    (`_load`), then the frame's own fresh K/V (the runtime quantizes only what it stores);
-3. `logits` scores them (`attention_logits`, plus the cache's `logit_bias`), and the output is
-   the softmax of the logits times the values;
+3. they are scored (`attention_logits`, plus the cache's `logit_bias`), and the output is the
+   softmax of the logits times the values (`blocked_attention`);
 4. `observe` is handed all of it as an `Attended` record.
 
 Implementations change how a frame is stored and read back (`_store`/`_load`: the packed
 runtime), the logit bias (the runtime's key-noise correction), or what they observe (recording
 statistics, shadowing quantized caches); none rewrites `attend`, so recording or shadowing can
 never change a rollout. The model does not know which cache it has.
+
+Scores are never held for all of a frame's queries at once when they would be large: `attend`
+computes the output a block of query rows at a time (`query_blocks`: at most
+`SCORE_BLOCK_ELEMENTS` logits, [B, H, rows, N]), and observers that need attention
+probabilities (the recorder's attention mass, the shadows' KL) recompute them the same way
+(`Attended.logit_blocks`). At TinyWorld's size one block holds every row, so the arithmetic is
+one softmax over the whole row block as always; at Wan's 1560-4680 tokens per frame the scores
+of one frame would take gigabytes per trajectory.
 
 Shape legend: B batch (trajectories rolled out together), H kv heads, T tokens of one frame,
 D head_dim, N cached tokens (frames x T), F cached frames.
@@ -33,7 +41,7 @@ the order of their append, from 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +116,40 @@ def softmax_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor, bias_BHTN:
     return attention_output(attention_logits(q_BHTD, k_BHND, bias_BHTN), v_BHND)
 
 
+SCORE_BLOCK_ELEMENTS = 1 << 25  # logits one block of query rows may hold (128 MiB in float32)
+
+
+def query_blocks(B: int, H: int, T: int, N: int, budget: int | None = None) -> list[slice]:
+    """Row blocks of T queries whose [B, H, rows, N] logits hold at most `budget` elements (>= 1 row;
+    default `SCORE_BLOCK_ELEMENTS`)."""
+    rows = max(1, (budget or SCORE_BLOCK_ELEMENTS) // max(B * H * N, 1))
+    return [slice(t0, min(t0 + rows, T)) for t0 in range(0, T, rows)]
+
+
+def bias_rows(bias_BHTN: Tensor | None, rows: slice) -> Tensor | None:
+    """The query rows `rows` of a logit bias that broadcasts to [B, H, T, N] (a size-1 T axis stays)."""
+    if bias_BHTN is None or bias_BHTN.dim() < 2 or bias_BHTN.shape[-2] == 1:
+        return bias_BHTN
+    return bias_BHTN[..., rows, :]
+
+
+def blocked_attention(q_BHTD: Tensor, k_BHND: Tensor, v_BHND: Tensor, bias_BHTN: Tensor | None = None,
+                      budget: int | None = None) -> Tensor:
+    """`softmax_attention`, a block of query rows at a time (rows are independent: each row's
+    softmax is the same arithmetic as in one pass). One block: exactly `softmax_attention`. On
+    CUDA without a bias the blocks go to torch's fused attention, which never forms the scores."""
+    B, H, T, _ = q_BHTD.shape
+    blocks = query_blocks(B, H, T, k_BHND.shape[2], budget)
+    if q_BHTD.is_cuda and bias_BHTN is None:
+        return torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHND, v_BHND)
+    if len(blocks) == 1:
+        return softmax_attention(q_BHTD, k_BHND, v_BHND, bias_BHTN)
+    out = q_BHTD.new_empty(B, H, T, v_BHND.shape[-1])
+    for rows in blocks:
+        out[:, :, rows] = softmax_attention(q_BHTD[:, :, rows], k_BHND, v_BHND, bias_rows(bias_BHTN, rows))
+    return out
+
+
 @dataclass(frozen=True)
 class Attended:
     """One `attend` call as `KVCache.observe` sees it (N = tokens of `frames`)."""
@@ -122,8 +164,14 @@ class Attended:
     k_rot_BHTD: Tensor  # the same keys post-rotary (what a cache stores)
     k_BHND: Tensor  # every key attended to, post-rotary, as the cache holds it (fresh frame last)
     v_BHND: Tensor
-    logits_BHTN: Tensor  # attention logits, the cache's bias included
-    out_BHTD: Tensor  # what `attend` returns
+    bias_BHTN: Tensor | None  # the cache's logit bias (None: none)
+    out_BHTD: Tensor | None = None  # what `attend` returns
+
+    def logit_blocks(self, budget: int | None = None) -> Iterator[tuple[slice, Tensor]]:
+        """The attention logits (bias included), a block of query rows at a time: (rows, [B, H, rows, N])."""
+        B, H, T, _ = self.q_BHTD.shape
+        for rows in query_blocks(B, H, T, self.k_BHND.shape[2], budget):
+            yield rows, attention_logits(self.q_BHTD[:, :, rows], self.k_BHND, bias_rows(self.bias_BHTN, rows))
 
 
 class KVCache:
@@ -152,10 +200,10 @@ class KVCache:
         k_rot_BHTD = key_rope.apply(k_BHTD)
         history = self.history(layer)
         k_BHND, v_BHND = self.read_with(layer, history, k_rot_BHTD, v_BHTD)
-        logits_BHTN = self.logits(layer, q_BHTD, k_BHND, history)
-        out_BHTD = attention_output(logits_BHTN, v_BHND)
+        bias_BHTN = self.logit_bias(layer, q_BHTD, history)
+        out_BHTD = blocked_attention(q_BHTD, k_BHND, v_BHND, bias_BHTN)
         self.observe(Attended(layer, index, history + [index], q_BHTD, k_BHTD, v_BHTD, key_rope, k_rot_BHTD,
-                              k_BHND, v_BHND, logits_BHTN, out_BHTD))
+                              k_BHND, v_BHND, bias_BHTN, out_BHTD))
         return out_BHTD
 
     def expect(self, coords_BP: Tensor) -> None:
@@ -177,7 +225,7 @@ class KVCache:
         new = self._num_appended[layer]
         visible = [f for f in kept_frames(new + 1, self.window, self.sink_frames) if f != new]
         k_BHND, v_BHND = self.read_with(layer, visible, key_rope.apply(k_BHTD), v_BHTD)
-        return attention_output(self.logits(layer, q_BHTD, k_BHND, visible), v_BHND)
+        return blocked_attention(q_BHTD, k_BHND, v_BHND, self.logit_bias(layer, q_BHTD, visible))
 
     def history(self, layer: int) -> list[int]:
         """Frames the newest frame of `layer` attends to besides itself, oldest first."""

@@ -9,42 +9,47 @@ stages (loading the model, trajectory sets, evaluation and reports) are `pipelin
 from __future__ import annotations
 
 import json
+import logging
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from calibrate import gate
+from calibrate import distributed, gate
 from calibrate.adapters import as_world
-from calibrate.config import Config
+from calibrate.config import Config, frames_per_step, parse_bytes
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.report import summary_metrics
 from calibrate.evaluate.run import evaluate
-from calibrate.fit.objective import LayerTrace
 from calibrate.fit.predictive_search import BudgetError, budget_floor, fit_predictive, rescaled
 from calibrate.fit.search import check_fit_config, fit_recipe
 from calibrate.fit.select import choose, closed_loop_scores, record_choice
 from calibrate.memory import bits_per_element, memory_section
-from calibrate.pipeline import (World, collect, command_line, config_hash, evaluate_schemes, kv_sample, load_world,
-                                resolve_device, resolve_schemes, trajectory_set, write_report)
+from calibrate.pipeline import (World, collect, command_line, config_hash, distributed_state, evaluate_schemes, kv_sample,
+                                load_world, resolve_device, resolve_schemes, trajectory_set, write_report)
 from calibrate.recipe import Recipe, save_recipe
 from calibrate.replay import Recorder
 from calibrate.schemes import BASELINES, build_baseline, preset_scheme
+from calibrate.trace import LayerTraces, TracePlan, plan_trace
 from calibrate.types import Trajectory
 from calibrate.world.trajectories import make_trajectories
 
+log = logging.getLogger(__name__)
 
-def layer_traces(recorder: Recorder, window: int, sink_frames: int, num_trajectories: int) -> list[LayerTrace]:
-    """The objective's data: the first `num_trajectories` traced trajectories, per layer."""
-    if not recorder.traces:
-        raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
-    trace = recorder.traces[0]
-    out = []
-    for layer in range(len(trace.q)):
-        k_pre, angles = trace.keys_before_rotation(layer)
-        out.append(LayerTrace(*(x[:num_trajectories] for x in trace.stacked(layer)), window=window,
-                              sink_frames=sink_frames, k_pre=k_pre[:num_trajectories], angles=angles[:num_trajectories]))
-    return out
+
+def trace_plan(cfg: Config, info) -> TracePlan:
+    """What the calibration replay traces for the objective (trace.py): `fit.trace_frames` cache
+    frames, or the calibration trajectories' cache frames when they are fewer, under
+    `fit.trace_tokens` and `fit.trace_bytes`; refused here, before any replay, when not one token
+    slot fits. A bf16 Wan's K/V are exact in bfloat16, so its trace keeps them so (half the bytes)."""
+    f = cfg.fit
+    bf16 = cfg.model.name == "wan_diffusers" and cfg.model.wan.dtype == "bfloat16"
+    frames = min(f.trace_frames, max(t.num_frames for t in trajectory_set(cfg)) // frames_per_step(cfg))
+    return plan_trace(info, min(f.trace_trajectories, cfg.trajectories.batch_size), frames, f.trace_tokens,
+                      parse_bytes(f.trace_bytes, "fit.trace_bytes"), torch.bfloat16 if bf16 else torch.float32,
+                      cfg.seed)
 
 
 def closed_loop_trajectories(cfg: Config) -> list[Trajectory]:
@@ -56,7 +61,7 @@ def closed_loop_trajectories(cfg: Config) -> list[Trajectory]:
 
 def calibration_recording(cfg: Config, model: World, device: torch.device) -> Recorder:
     """Replay the calibration set with the fp model: statistics, token samples, traced frames."""
-    return collect(cfg, model, device, trace_batches=1, trace_frames=cfg.fit.trace_frames)
+    return collect(cfg, model, device, trace_batches=1, trace=trace_plan(cfg, as_world(model).info))
 
 
 def check_budget(cfg: Config, info) -> None:
@@ -77,32 +82,67 @@ def check_budget(cfg: Config, info) -> None:
                           f"sink_frames={sink} (1 bit per component, a mode bit per token, an anchor frame per window)")
 
 
-def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None) -> tuple[Recipe, dict]:
-    """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop."""
+@contextmanager
+def phase(name: str):
+    """Log a phase of the run with its wall time (records carry `phase` and `event`: start / end,
+    which `benchmarks/scale.py` hooks to measure each phase's peak memory)."""
+    start = time.perf_counter()
+    log.info("%s ...", name, extra={"phase": name, "event": "start"})
+    yield
+    log.info("%s: %.1f s", name, time.perf_counter() - start, extra={"phase": name, "event": "end"})
+
+
+def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | None = None,
+        state=None) -> tuple[Recipe | None, dict | None]:
+    """Fit on the calibration set (replayed unless `recorder` is given), select by closed loop.
+
+    With several processes (`state`), the replay shards trajectories, the trace goes to the owner
+    of each layer and the predictive fit shards layers (distributed.Shard); the closed-loop
+    selection runs on the main process, which alone gets the recipe (the others get None).
+    """
     window, sink = cfg.model.cache.window, cfg.model.cache.sink_frames
     info = as_world(model).info
     trajs = trajectory_set(cfg)
     check_fit_config(cfg.fit, info)  # before the replay, not after it
     check_budget(cfg, info)
-    recorder = recorder or calibration_recording(cfg, model, device)
-    traces = layer_traces(recorder, window, sink, cfg.fit.trace_trajectories)
+    shard = distributed.Shard(state)
+    if shard.active and cfg.fit.code != "predictive":
+        raise ValueError("config: fit.code=scalar fits in one process; several processes shard the predictive fit "
+                         "(fit.code=predictive) or task=stats")
+    plan = trace_plan(cfg, info)
+    if recorder is None:
+        with phase("replay"):
+            local = replace(plan, trajectories=len(range(shard.rank, plan.trajectories, shard.world)))
+            recorder = collect(cfg, model, device, trace_batches=1, trace=local if local.trajectories else None,
+                               state=state)
+    trace = distributed.gather_trace(recorder.traces[0] if recorder.traces else None, plan, state, shard)
+    if trace is None or not trace.q:
+        raise ValueError("calibration recorded no frames to fit on (empty calibration set?)")
+    traces = LayerTraces(trace, window, sink)
+    coords = trace.rotary_coords
+    with phase("fit"):
+        if cfg.fit.code == "predictive":
+            recipe, record, fits = fit_predictive(info, traces, recorder.stats, cfg.fit, window, sink, coords, shard)
+        else:
+            sample = kv_sample(recorder)
+            recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit,
+                                              window, sink)
+    shard.done()
+    if shard.rank != 0:
+        return None, None
     if cfg.fit.code == "predictive":
-        coords = recorder.traces[0].rotary_coords
-        recipe, record, fits = fit_predictive(info, traces, recorder.stats, cfg.fit, window, sink, coords)
         candidates = {"fitted": recipe}
         for scale in cfg.fit.closed_loop_scales:  # the same widths; finer steps may widen the anchors
             cand = rescaled(info, fits, cfg.fit, coords, scale, recipe.scheme.name)
             if scale != 1.0 and bits_per_element(info, cand.scheme, window, sink) <= cfg.fit.budget_bits + 1e-9:
                 candidates[f"inter_x{scale:g}"] = cand
     else:
-        sample = kv_sample(recorder)
-        recipe, record, base = fit_recipe(info, traces, recorder.stats, sample.k_LHND, sample.v_LHND, cfg.fit, window,
-                                          sink)
         candidates = {"fitted": recipe}
         if record["upgrades"]:
             candidates["no_mixed_precision"] = base
-    scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
-                                cfg.trajectories.batch_size, cfg.eval.runtime)
+    with phase("closed loop"):
+        scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
+                                    cfg.trajectories.batch_size, cfg.eval.runtime)
     chosen = choose(scores)
     recipe = candidates[chosen]
     record_choice(record, scores, chosen, recipe)
@@ -161,27 +201,46 @@ def choose_plan(cfg: Config, model: World, device: torch.device, recipe: Recipe)
 
 def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     """Fit (or build a preset), evaluate on held-out and check trajectories, write the recipe, then
-    the report: a report in the run dir always goes with the recipe next to it."""
+    the report: a report in the run dir always goes with the recipe next to it.
+
+    Launched as several processes (torchrun / accelerate launch), they replay and fit together
+    (`fit`), then every rank leaves the process group and the main process alone goes on to
+    the evaluation and writes the run directory."""
     device = resolve_device(cfg.device)
-    model = load_world(cfg, device)
-    check_preset_budget(cfg, as_world(model).info)
-    if cfg.quant.preset != "ours":
-        recipe = resolve_schemes(cfg, [cfg.quant.preset], model, device)[cfg.quant.preset]
-    else:
-        recipe, _ = fit(cfg, model, device)
+    state = distributed_state(device)
+    if state is not None:
+        device = state.device
+    rank, _ = distributed.rank_and_world(state)
+    ok = False
+    try:
+        model = load_world(cfg, device)
+        check_preset_budget(cfg, as_world(model).info)
+        if cfg.quant.preset != "ours":
+            recipe = resolve_schemes(cfg, [cfg.quant.preset], model, device)[cfg.quant.preset] if rank == 0 else None
+        else:
+            recipe, _ = fit(cfg, model, device, state=state)
+        ok = True
+    finally:
+        distributed.finish(state, ok)
+    if rank != 0:
+        return {"rank": rank}
     if cfg.memory.device_budget is not None:
         recipe = choose_plan(cfg, model, device, recipe)
     recipe.path = None
     eval_cfg = replace(cfg, trajectories=replace(cfg.trajectories, split="evaluation"))
-    ev = evaluate_schemes(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device)
+    with phase("evaluation"):
+        ev = evaluate_schemes(eval_cfg, out_dir, {cfg.quant.preset: recipe}, model, device)
     metrics = {"evaluation": summary_metrics(ev.report)}
     check_cfg = gate.check_trajectories(cfg)
-    check_rep = report_mod.build(
-        evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
-                 cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False,
-                 runtime=cfg.eval.runtime),
-        [], {}, cfg.eval.psnr_threshold_db)
-    metrics["check"] = summary_metrics(check_rep)
+    with phase("check set"):
+        check_rep = report_mod.build(
+            evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
+                     cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False,
+                     runtime=cfg.eval.runtime),
+            [], {}, cfg.eval.psnr_threshold_db)
+    t = check_cfg.trajectories
+    metrics["check"] = {**summary_metrics(check_rep),
+                        "trajectories": {"num_trajectories": t.num_trajectories, "num_frames": t.num_frames}}
     recipe.metadata["metrics"] = json.dumps(metrics, sort_keys=True)
     for name in ("report.json", "report.md", "report.html"):  # an earlier run's report must not outlive its recipe
         (out_dir / name).unlink(missing_ok=True)
@@ -189,5 +248,6 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     save_recipe(recipe, path)
     print(f"recipe: {path}  ({metrics['evaluation']['bits_per_element']:.3f} bits/element, "
           f"held-out psnr_ref {metrics['evaluation']['psnr_ref_all']:.2f} dB)")
-    write_report(eval_cfg, out_dir, ev, model, command_line())
+    with phase("report"):
+        write_report(eval_cfg, out_dir, ev, model, command_line())
     return {"recipe": str(path), "metrics": metrics}

@@ -16,6 +16,7 @@ Models own their settings (`WanSettings`, `TrainConfig`, `WanTrainConfig`); this
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from calibrate.world.train_config import TrainConfig
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf"
 
-TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world")
+TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world", "capacity")
 MODELS = ("tinyworld", "wan_diffusers", "wanworld")
 WAN_MODELS = ("wan_diffusers", "wanworld")  # rolled out by adapters/wan_diffusers.py (model.wan)
 TRAINABLE = ("tinyworld", "wanworld")  # task=train_world
@@ -43,6 +44,23 @@ ROTATIONS = ("none", "hadamard", "learned")
 CODES = ("predictive", "scalar")
 BASES = ("pca", "identity")
 ALLOCATIONS = ("waterfill", "uniform")
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3,
+               "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text, key: str) -> int:
+    """A byte count with an optional unit (`835584`, `816KiB`, `0.8MB`, `8GiB`) as bytes > 0; a
+    ValueError naming `key` otherwise."""
+    t = str(text).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+    if m is None or m.group(2) not in _BYTE_UNITS:
+        raise ValueError(f"config: {key}={text!r} is not a byte count (e.g. 835584, 816KiB, 0.8MB, 8GiB)")
+    value = int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
+    if value <= 0:
+        raise ValueError(f"config: {key}={text!r} must be > 0 bytes")
+    return value
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -63,7 +81,7 @@ class CacheConfig:
 @dataclass
 class ModelConfig:
     name: str = "tinyworld"  # one of MODELS
-    weights: str | None = None  # tinyworld, wanworld: weights file (None = shipped); wan_diffusers: diffusers model dir (None = tiny random)
+    weights: str | None = None  # tinyworld, wanworld: weights file (None = shipped); wan_diffusers: diffusers model dir or checkpoint file (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
     wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers or wanworld (adapters/wan_diffusers.py)
 
@@ -129,8 +147,10 @@ class FitConfig:
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
-    trace_frames: int = 48  # whole frames of the first calibration batch replayed by the objective
+    trace_frames: int = 48  # cache frames of the first calibration batch the objective replays (calibrate/trace.py)
     trace_trajectories: int = 4  # trajectories of that batch the objective replays
+    trace_tokens: int = 512  # token slots per frame the trace keeps at most (the same slots in every frame)
+    trace_bytes: str = "8GiB"  # the trace's byte budget (fewer slots when needed; logged): 8GiB, 512MiB, ...
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off; at most the model's head_dim)
     logit_correction: bool = True  # fit the key-noise logit correction (per-head strength on the objective)
     keyframes: bool = False  # let the allocator offer key frames (every N-th frame at 4 or 8 bits)
@@ -159,6 +179,8 @@ class FitConfig:
         _positive("fit.sample_tokens", self.sample_tokens)
         _positive("fit.trace_frames", self.trace_frames)
         _positive("fit.trace_trajectories", self.trace_trajectories)
+        _positive("fit.trace_tokens", self.trace_tokens)
+        parse_bytes(self.trace_bytes, "fit.trace_bytes")
         _positive("fit.outlier_channels", self.outlier_channels, allow_zero=True)
         _positive("fit.comp_rank", self.comp_rank, allow_zero=True)
         if any(n < 1 for n in self.keyframe_intervals):
@@ -195,6 +217,33 @@ class CheckConfig:
     flicker_tolerance: float = 0.25  # allowed relative flicker increase
     min_psnr_db: float | None = None  # absolute floors override the recorded metrics
     max_flicker: float | None = None
+    # the check set (conf/trajectories/check.yaml: 4 trajectories of 128 frames) that task=calibrate
+    # measures and records and task=check replays; null = the recipe's recorded set, else check.yaml's
+    num_trajectories: int | None = None
+    num_frames: int | None = None  # a multiple of model.wan.chunk_frames for Wan
+
+    def check(self) -> None:
+        for name in ("num_trajectories", "num_frames"):
+            if getattr(self, name) is not None:
+                _positive(f"check.{name}", getattr(self, name))
+
+
+def check_set(cfg: "Config", recorded: dict | None = None) -> "TrajectoriesConfig":
+    """The CI gate's trajectory set: conf/trajectories/check.yaml (evaluation seeds), its count and
+    length taken from `check.num_trajectories` / `check.num_frames` when set, else from `recorded`
+    (the set a recipe recorded its check metrics on), else the file's, cut to whole steps of the
+    model (Wan in chunks of 3 latent frames: 126 of its 128 frames). A length given explicitly is
+    taken as it is (`check_chunking` refuses one that is not whole chunks)."""
+    loaded = OmegaConf.merge(OmegaConf.structured(TrajectoriesConfig), OmegaConf.load(CONF_DIR / "trajectories" / "check.yaml"))
+    out: TrajectoriesConfig = OmegaConf.to_object(loaded)
+    out.num_frames -= out.num_frames % frames_per_step(cfg)
+    for name in ("num_trajectories", "num_frames"):
+        value = getattr(cfg.check, name)
+        if value is None and recorded:
+            value = recorded.get(name)
+        if value is not None:
+            setattr(out, name, int(value))
+    return out
 
 
 @dataclass
@@ -240,6 +289,47 @@ class MemoryConfig:
 
 
 @dataclass
+class CapacityConfig:
+    """task=capacity (capacity.py): the frames of cache that fit beside the weights in memory.device_budget."""
+
+    rollout_frames: int = 1200  # latent frames of the rollout (5 min of 16 fps video with Wan's VAE); the rest goes to a host tier
+    reserve: str = "0"  # device bytes kept for what is not counted (text encoder, VAE, activations), e.g. 4GiB
+    # an explicit shape instead of model='s (num_layers set: give every field below, chunk_frames defaults to 1)
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tokens_per_latent_frame: int | None = None
+    chunk_frames: int | None = None  # latent frames per cache frame
+    num_params: int | None = None  # weights counted at 2 bytes (bf16) each
+
+    SHAPE = ("num_layers", "num_kv_heads", "head_dim", "tokens_per_latent_frame", "num_params")
+
+    def reserve_bytes(self) -> int:
+        from calibrate.fit.plan_search import byte_count
+
+        return 0 if str(self.reserve).strip() in ("0", "") else byte_count(self.reserve)
+
+    def check(self) -> None:
+        _positive("capacity.rollout_frames", self.rollout_frames)
+        try:
+            self.reserve_bytes()
+        except ValueError:
+            raise ValueError(f"config: capacity.reserve={self.reserve!r} is not a byte count (e.g. 0, 4GiB)") from None
+        given = [n for n in (*self.SHAPE, "chunk_frames") if getattr(self, n) is not None]
+        if self.num_layers is None and given:
+            raise ValueError(f"config: capacity.{given[0]} is part of an explicit shape: also set capacity.num_layers "
+                             f"and the rest of {', '.join(self.SHAPE)}")
+        if self.num_layers is not None:
+            missing = [n for n in self.SHAPE if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"config: an explicit shape (capacity.num_layers) needs capacity.{missing[0]} too")
+            for n in self.SHAPE:
+                _positive(f"capacity.{n}", getattr(self, n))
+            if self.chunk_frames is not None:
+                _positive("capacity.chunk_frames", self.chunk_frames)
+
+
+@dataclass
 class Config:
     task: str = "calibrate"  # one of TASKS
     device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
@@ -255,6 +345,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     train_wan: WanTrainConfig = field(default_factory=WanTrainConfig)  # task=train_world model=wanworld
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -279,16 +370,22 @@ def validate(cfg: Config) -> None:
     if cfg.device != "auto" and cfg.device != "cpu" and not cfg.device.startswith("cuda"):
         raise ValueError(f"config: device must be {DEVICES}, got '{cfg.device}'")
     cfg.model.check()
-    w = cfg.model.wan
-    if cfg.model.name in WAN_MODELS and cfg.trajectories.num_frames % w.chunk_frames and not cfg.trajectories.file:
-        raise ValueError(f"config: model.wan.chunk_frames={w.chunk_frames} does not divide "
-                         f"trajectories.num_frames={cfg.trajectories.num_frames}")
     cfg.trajectories.check()
+    cfg.check.check()
+    if cfg.task != "capacity":
+        check_chunking(cfg)
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
     cfg.train_wan.check()
     cfg.memory.check()
+    cfg.capacity.check()
+    if cfg.task == "capacity":
+        from calibrate.fit.plan_search import byte_count
+
+        if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
+            raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "
+                             f"got {cfg.memory.device_budget}")
     if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
         raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
                          "use eval.runtime=auto with memory.device_budget")
@@ -298,6 +395,34 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:
         raise ValueError("config: task=compare needs a non-empty schemes=[...]")
+
+
+def frames_per_step(cfg: Config) -> int:
+    """Frames the model generates per step (one cache frame): Wan's chunk of latent frames, else 1.
+    A trajectory's length must be a multiple of it."""
+    return cfg.model.wan.chunk_frames if cfg.model.name in WAN_MODELS else 1
+
+
+def check_chunking(cfg: Config) -> None:
+    """Every frame count the task will roll out is whole chunks of `model.wan.chunk_frames`: found
+    here, in the first seconds, not after a replay and a fit (with Self-Forcing's chunks of 3, a
+    check set of 128 frames used to fail when the recipe was about to be written)."""
+    chunk = frames_per_step(cfg)
+    counts = {}
+    # task=check's default set is the check set (cut to whole chunks: check_set)
+    if not cfg.trajectories.file and not (cfg.task == "check" and cfg.trajectories.name == "calibration"):
+        counts["trajectories.num_frames"] = cfg.trajectories.num_frames
+    if cfg.task == "calibrate":
+        if cfg.quant.preset == "ours":
+            counts["fit.closed_loop_frames"] = cfg.fit.closed_loop_frames
+        if cfg.memory.device_budget is not None:
+            counts["memory.search_frames"] = cfg.memory.search_frames
+    if cfg.task in ("calibrate", "check") and cfg.check.num_frames is not None:
+        counts["check.num_frames"] = cfg.check.num_frames
+    for key, n in counts.items():
+        if n % chunk:
+            raise ValueError(f"config: model.wan.chunk_frames={chunk} does not divide {key}={n}; set {key} to a "
+                             f"multiple of {chunk} (e.g. {key}={max(n - n % chunk, chunk)})")
 
 
 def resolve_split(cfg: Config) -> str:

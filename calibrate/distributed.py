@@ -123,3 +123,99 @@ def reduce_queries(sample: QuerySample, state: Any) -> QuerySample:
     for other in samples[1:]:
         out = merge_queries(out, other)
     return out
+
+
+# ---- the fit, sharded by layer -------------------------------------------------------------------
+class Shard:
+    """Which layers this process fits, and how the owners share what they fitted.
+
+    Layer l belongs to rank l mod W (`owner`). The owner of a layer holds its trace and does its
+    objective work; `share` (JSON-able results, e.g. a layer's chosen steps and scores) and
+    `share_rows` (tensors, in place) broadcast from the owner, so every rank ends up with the same
+    choices and makes the same later decisions. With one process everything is owned and sharing
+    is the identity.
+    """
+
+    def __init__(self, state: Any = None):
+        self.state = state
+        self.rank, self.world = rank_and_world(state)
+        self.active = _check_group(state)
+
+    def owner(self, layer: int) -> int:
+        return layer % self.world
+
+    def owns(self, layer: int) -> bool:
+        return self.owner(layer) == self.rank
+
+    def share(self, layer: int, obj: Any) -> Any:
+        """`obj` as the owner of `layer` has it (JSON round trip: no pickle crosses processes)."""
+        if not self.active:
+            return obj
+        import json
+
+        device = _comm_device(self.state)
+        data = json.dumps(obj if self.owns(layer) else None).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=self.owner(layer))
+        buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
+        if self.owns(layer):
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=self.owner(layer))
+        return json.loads(bytes(buf.cpu().tolist()).decode())
+
+    def share_rows(self, layer: int, *tensors: torch.Tensor) -> None:
+        """Overwrite `tensors` with the owner of `layer`'s values (exact: broadcast as they are)."""
+        if not self.active:
+            return
+        device = _comm_device(self.state)
+        for t in tensors:
+            buf = t.to(device).contiguous()
+            dist.broadcast(buf, src=self.owner(layer))
+            t.copy_(buf.to(t.device))
+
+    def done(self) -> None:
+        """Wait until every rank has finished the sharded work (then the main process goes on alone)."""
+        if self.active:
+            dist.barrier()
+
+
+def gather_trace(local, plan, state: Any, shard: Shard):
+    """The calibration trace of the whole first batch, each layer on its owner (`Shard`).
+
+    Rank r replayed trajectories r, r + W, ... and traced those among the first `plan.trajectories`
+    (global index i lives on rank i mod W at row i // W). Per layer every rank contributes its
+    rows (padded to the same count) to one all-gather, and the owner puts them back in global
+    order: the trace a single process would have recorded. Angles go to every rank.
+    """
+    from calibrate.trace import Trace
+
+    if not shard.active:
+        return local
+    W, n = shard.world, plan.trajectories
+    per = -(-n // W)
+    device = _comm_device(state)
+    frames = torch.tensor([local.num_frames if local is not None and local.q else plan.frames], device=device)
+    dist.all_reduce(frames, op=dist.ReduceOp.MIN)
+    coords = torch.tensor([local.rotary_coords if local is not None else 0], device=device)
+    dist.all_reduce(coords, op=dist.ReduceOp.MAX)
+    out = Trace(plan, local.device if local is not None else "cpu")
+    out.num_frames, out.rotary_coords = int(frames), int(coords)
+    H, S, D, F = plan.num_heads, plan.num_slots, plan.head_dim, plan.frames
+
+    def gathered(x, shape, dtype, keep: bool):
+        buf = torch.zeros((per, *shape), dtype=dtype, device=device)
+        if x is not None:
+            buf[: x.shape[0]] = x.to(device)
+        parts = [torch.empty_like(buf) for _ in range(W)]
+        dist.all_gather(parts, buf)
+        return torch.stack([parts[i % W][i // W] for i in range(n)]).to(out.device) if keep else None
+
+    have = local is not None and bool(local.q)
+    A = D // 2
+    out.angles = gathered(local.angles if have else None, (F, S, A), torch.float32, True)
+    for layer in range(plan.num_layers):
+        keep = shard.owns(layer)
+        for store, name in ((out.q, "q"), (out.k_pre, "k_pre"), (out.v, "v")):
+            x = getattr(local, name)[layer] if have else None
+            store.append(gathered(x, (H, F, S, D), plan.dtype, keep))
+    return out

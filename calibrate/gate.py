@@ -13,16 +13,13 @@ from __future__ import annotations
 from dataclasses import replace
 from xml.sax.saxutils import quoteattr
 
-from omegaconf import OmegaConf
-
-from calibrate.config import CONF_DIR, CheckConfig, Config, TrajectoriesConfig
+from calibrate.config import CheckConfig, Config, check_set
 
 
-def check_trajectories(cfg: Config) -> Config:
-    """`cfg` with the CI gate's trajectory set, `conf/trajectories/check.yaml` (evaluation seeds)."""
-    check_set = OmegaConf.merge(OmegaConf.structured(TrajectoriesConfig),
-                                OmegaConf.load(CONF_DIR / "trajectories" / "check.yaml"))
-    return replace(cfg, trajectories=OmegaConf.to_object(check_set))
+def check_trajectories(cfg: Config, recorded: dict | None = None) -> Config:
+    """`cfg` with the CI gate's trajectory set (`config.check_set`: conf/trajectories/check.yaml,
+    count and length from `check.*` or the set a recipe `recorded` its check metrics on)."""
+    return replace(cfg, trajectories=check_set(cfg, recorded))
 
 
 def check_criteria(measured: dict, recorded: dict | None, c: CheckConfig) -> list[dict]:

@@ -63,19 +63,28 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
     T, D = model.tokens_per_frame, model.head_dim
     total = 0
     kept = kept_frames(num_appended, window, sink_frames)
-    kept_set = set(kept)
     for pair in scheme.layers:
         total += len(kept) * batch * pair.k.rotary_coords * 4
         for kind in KINDS:
             spec: TensorSpec = getattr(pair, kind)
             for h in range(model.num_kv_heads):
+                if spec.kind == "predictive":
+                    total += predictive_head_bytes(spec.token_bits[h], spec.anchor_token_bits[h], spec.temporal,
+                                                   kept, num_appended, pol.recent_frames, batch, T, D)
+                    continue
                 for f in kept:
-                    if spec.kind == "predictive":
-                        role = chain.frame_role(f, num_appended, kept_set, pol.recent_frames, spec.temporal)
-                        total += head_frame_nbytes(spec, h, role, batch, T, D)
-                    else:
-                        total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
+                    total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
     return total + span_state_bytes(model, scheme, num_appended, window, sink_frames, batch)
+
+
+def predictive_head_bytes(token_bits: int, anchor_token_bits: int, temporal: bool, kept: list[int], num_appended: int,
+                          recent_frames: int, batch: int, T: int, D: int) -> int:
+    """Bytes of one head of a predictive tensor over the `kept` frames, each in its chain role
+    (`chain.frame_role`): the per-head term of `predicted_cache_bytes`, which the fitter's
+    mixed precision prices an upgrade of one head with."""
+    kept_set = set(kept)
+    return sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal), token_bits,
+                                  anchor_token_bits, batch, T, D) for f in kept)
 
 
 def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int, D: int) -> int:

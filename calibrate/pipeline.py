@@ -33,7 +33,9 @@ from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomi
 from calibrate.recipe import Recipe, load_recipe
 from calibrate.replay import Recorder, record
 from calibrate.schemes import BASELINES, CALIBRATED, KVSample, build_baseline
+from calibrate.shipped import RECIPE_DIR, is_shipped_name, resolve_recipe, shipped_recipes
 from calibrate.stats_report import plot_report, report
+from calibrate.trace import TracePlan
 from calibrate.types import Trajectory
 from calibrate.world.model import TinyWorld
 from calibrate.world.trajectories import load_trajectories, make_trajectories
@@ -104,7 +106,7 @@ def write_json(path: Path, obj) -> None:
 
 
 # ---- task=stats -----------------------------------------------------------------------------
-def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace_frames: int = 0,
+def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace: TracePlan | None = None,
             state=None, checkpoint: Path | None = None) -> Recorder:
     """Replay the calibration trajectories (this process's shard) and reduce across processes.
 
@@ -114,13 +116,13 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     """
     info = as_world(model).info
     trajs = distributed.shard(trajectory_set(cfg), state)
-    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace_frames, cfg.seed)
+    recorder = Recorder.create(info, cfg.fit.sample_tokens, trace, cfg.seed, device)
     rank, world = distributed.rank_and_world(state)
     key = f"{config_hash(cfg)}/{info.fingerprint}/{rank}/{world}"
     done = 0
     if checkpoint is not None and checkpoint.exists():
         try:
-            saved, extra = Recorder.load(checkpoint, trace_frames)
+            saved, extra = Recorder.load(checkpoint, trace)
         except ValueError as e:  # only a cache of finished work: start over
             log.warning("ignoring unreadable resume checkpoint (%s)", e)
             saved, extra = None, {}
@@ -136,7 +138,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     recorder.q = distributed.reduce_queries(recorder.q, state)
     recorder.k = distributed.reduce_queries(recorder.k, state)
     recorder.v = distributed.reduce_queries(recorder.v, state)
-    return recorder
+    return recorder.on_cpu()
 
 
 def run_stats(cfg: Config, out_dir: Path) -> dict:
@@ -164,8 +166,7 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
 
 
 # ---- schemes: presets or recipe files ----------------------------------------------------------
-_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-SHIPPED_RECIPES = _SOURCE_RECIPES if _SOURCE_RECIPES.is_dir() else Path(__file__).resolve().parent / "recipes"
+SHIPPED_RECIPES = RECIPE_DIR  # shipped.py: recipes/ of a checkout, or calibrate/recipes of an install
 OURS = "tinyworld-ours-2bit.safetensors"
 
 
@@ -183,7 +184,7 @@ def calibration_sample(cfg: Config, model: World, device: torch.device) -> KVSam
 
 def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.device,
                     sample: KVSample | None = None) -> dict[str, Recipe]:
-    """Recipes for preset names (baselines, `ours` = the shipped recipe) or recipe paths.
+    """Recipes for preset names (baselines, `ours` = the shipped recipe), shipped recipe names or recipe paths.
 
     Calibrated baselines fit on `sample`, or on a calibration replay made here when not given.
     """
@@ -196,10 +197,12 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
             recipes[name] = build_baseline(name, info, sample)
         elif name == "ours":
             recipes[name] = load_recipe(SHIPPED_RECIPES / OURS, info)
-        elif name.endswith(".safetensors") or Path(name).exists():
-            recipes[Path(name).stem] = load_recipe(name, info)
+        elif is_shipped_name(name) or name.endswith(".safetensors") or Path(name).exists():
+            path = resolve_recipe(name)
+            recipes[path.stem] = load_recipe(path, info)
         else:
-            raise ValueError(f"unknown scheme '{name}': use a preset ({', '.join(BASELINES)}, ours) or a recipe path")
+            raise ValueError(f"unknown scheme '{name}': use a preset ({', '.join(BASELINES)}, ours), a shipped recipe "
+                             f"({', '.join(shipped_recipes())}) or a recipe path")
     return recipes
 
 
@@ -330,9 +333,10 @@ def command_line() -> str:
 
 
 def run_evaluate(cfg: Config, out_dir: Path) -> dict:
+    path = resolve_recipe(cfg.recipe)
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipes = {Path(cfg.recipe).stem: load_recipe(cfg.recipe, as_world(model).info)}
+    recipes = {path.stem: load_recipe(path, as_world(model).info)}
     evaluate_and_report(cfg, out_dir, recipes, model, device, command_line())
     return {"report": str(out_dir / "report.json")}
 
@@ -348,11 +352,14 @@ def run_compare(cfg: Config, out_dir: Path) -> dict:
 # ---- task=check: the CI gate (gate.py) ----------------------------------------------------------
 def run_check(cfg: Config, out_dir: Path) -> dict:
     """Replay the check set with the recipe and compare against thresholds (exit 0 pass / 1 fail / 2 bad input)."""
+    path = resolve_recipe(cfg.recipe)
     device = resolve_device(cfg.device)
     model = load_world(cfg, device)
-    recipe = load_recipe(cfg.recipe, as_world(model).info)
+    recipe = load_recipe(path, as_world(model).info)
+    recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
-        cfg = gate.check_trajectories(cfg)  # the default set of a check is the check set
+        # the default set of a check is the check set, as long as the recipe measured it
+        cfg = gate.check_trajectories(cfg, (recorded or {}).get("trajectories"))
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
@@ -360,7 +367,6 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
                     runtime=cfg.eval.runtime)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
-    recorded = json.loads(recipe.metadata.get("metrics", "{}")).get("check")
     result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))
     write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})
     write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))

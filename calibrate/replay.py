@@ -3,9 +3,10 @@
 `RecordingCache` is the full-precision cache plus an observer (`KVCache.observe`): for every
 attended frame it feeds each layer's K and V (post-rotary) to the streaming `KVStats`, offers
 Q/K/V tokens to bounded reservoirs, adds the attention mass per cached frame (for sink/anchor
-detection, from the very logits `attend` used) and, optionally, keeps a bounded *trace* of
-whole frames (Q, K, V per layer) that the fitters replay teacher-forced. It does not touch
-`attend`, so recording never changes a rollout (a test checks bitwise equality).
+detection, from the very logits `attend` used, a block of query rows at a time) and,
+optionally, keeps a bounded *trace* (trace.py: a token sample of the first frames of the first
+trajectories, per layer) that the fitters replay teacher-forced. It does not touch `attend`, so
+recording never changes a rollout (a test checks bitwise equality).
 
 Non-finite K/V stop the replay with the layer, head and frame where they appeared.
 """
@@ -19,41 +20,15 @@ from torch import Tensor
 from tqdm import tqdm
 
 from calibrate.adapters.base import WorldAdapter
-from calibrate.cache import Attended, KVCache, Rope
+from calibrate.cache import Attended, KVCache
 from calibrate.sample import QuerySample
 from calibrate.stats import KVStats, KVStatsConfig, frame_mass, load_stats
+from calibrate.trace import Trace, TracePlan
 from calibrate.types import ModelInfo, Trajectory
 
 
 class NonFiniteError(ValueError):
     """K or V with NaN/Inf during replay (a broken model or weights file)."""
-
-
-@dataclass
-class Trace:
-    """Whole frames of one batch of trajectories: per layer lists of [B, H, T, D] per frame (keys
-    post-rotary in `k`, pre-rotary in `k_pre`), and the keys' rotary per frame (`ropes`)."""
-
-    q: list[list[Tensor]]
-    k: list[list[Tensor]]
-    v: list[list[Tensor]]
-    k_pre: list[list[Tensor]] = field(default_factory=list)
-    ropes: list[Rope] = field(default_factory=list)  # layer-independent: one per frame
-    rotary_coords: int = 0  # coordinates the model's rotary gives per frame (0: none)
-
-    @staticmethod
-    def empty(num_layers: int) -> "Trace":
-        lists = lambda: [[] for _ in range(num_layers)]
-        return Trace(lists(), lists(), lists(), lists())
-
-    def stacked(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(q, k, v) of `layer` as [B, H, F, T, D]."""
-        return tuple(torch.stack(x[layer], dim=2) for x in (self.q, self.k, self.v))  # type: ignore[return-value]
-
-    def keys_before_rotation(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(pre-rotary keys [B, H, F, T, D], rotary angles [B, F, T, A]) of `layer`."""
-        angles = torch.stack([r.angles_BTA.expand(self.k_pre[layer][0].shape[0], -1, -1) for r in self.ropes], dim=1)
-        return torch.stack(self.k_pre[layer], dim=2), angles
 
 
 @dataclass
@@ -64,28 +39,38 @@ class Recorder:
     q: QuerySample
     k: QuerySample
     v: QuerySample
-    trace_frames: int = 0  # keep whole frames of the first `trace_frames` frames of traced batches
+    trace: TracePlan | None = None  # what traced batches keep (None: nothing)
     traces: list[Trace] = field(default_factory=list)
 
     @staticmethod
-    def create(info: ModelInfo, sample_tokens: int = 4096, trace_frames: int = 0, seed: int = 0) -> "Recorder":
+    def create(info: ModelInfo, sample_tokens: int = 4096, trace: TracePlan | None = None, seed: int = 0,
+               device: torch.device | str = "cpu") -> "Recorder":
+        """Statistics and reservoirs on `device` (the model's: a GPU replay then never waits on
+        the host for its float64 sums; `on_cpu` brings them back for the fit)."""
         cfg = KVStatsConfig(num_layers=info.num_layers, num_heads=info.num_kv_heads, head_dim=info.head_dim)
         sample = lambda s: QuerySample(num_layers=info.num_layers, num_heads=info.num_kv_heads,
-                                       head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s)
-        return Recorder(KVStats(cfg), sample(0), sample(1), sample(2), trace_frames)
+                                       head_dim=info.head_dim, capacity=sample_tokens, seed=seed * 3 + s, device=device)
+        return Recorder(KVStats(cfg, device), sample(0), sample(1), sample(2), trace)
 
+    def on_cpu(self) -> "Recorder":
+        """The statistics and reservoirs moved to the host (the trace stays where it is)."""
+        if self.stats.device.type == "cpu":
+            return self
+        cpu = lambda s: QuerySample.from_tensors(s.settings(), {k: t.cpu() for k, t in s.to_tensors().items()}, "cpu")
+        stats = KVStats.from_tensors(self.stats.config, {k: t.cpu() for k, t in self.stats.tensors.items()}, "cpu")
+        return Recorder(stats, cpu(self.q), cpu(self.k), cpu(self.v), self.trace, self.traces)
 
     def save(self, path, model: dict, extra: dict[str, str] | None = None) -> None:
         self.stats.save(path, model=model, samples={"q": self.q, "k": self.k, "v": self.v}, extra=extra)
 
     @staticmethod
-    def load(path, trace_frames: int = 0) -> tuple["Recorder", dict[str, str]]:
+    def load(path, trace: TracePlan | None = None) -> tuple["Recorder", dict[str, str]]:
         loaded = load_stats(path)
         missing = {"q", "k", "v"} - set(loaded.samples)
         if missing:
             raise ValueError(f"{path}: token samples {sorted(missing)} are missing")
         s = loaded.samples
-        return Recorder(loaded.stats, s["q"], s["k"], s["v"], trace_frames), loaded.extra
+        return Recorder(loaded.stats, s["q"], s["k"], s["v"], trace), loaded.extra
 
 
 class RecordingCache(KVCache):
@@ -108,20 +93,25 @@ class RecordingCache(KVCache):
             for kind, x, prev in zip(("k", "kpre", "v"), current, self._previous[layer]):
                 rec.stats.update_change(kind, layer, x, prev)
         self._previous[layer] = current
-        mass = frame_mass(seen.logits_BHTN.softmax(-1), seen.q_BHTD.shape[2])
-        rec.stats.update_attention(layer, mass, seen.frames, index)
+        rec.stats.update_attention(layer, attention_mass(seen), seen.frames, index)
         rec.q.update(layer, seen.q_BHTD)
         rec.k.update(layer, seen.k_rot_BHTD)
         rec.v.update(layer, seen.v_BHTD)
-        if self.trace is not None and index < rec.trace_frames:
-            self.trace.q[layer].append(seen.q_BHTD.detach().cpu())
-            self.trace.k[layer].append(seen.k_rot_BHTD.detach().cpu())
-            self.trace.v[layer].append(seen.v_BHTD.detach().cpu())
-            self.trace.k_pre[layer].append(seen.k_BHTD.detach().cpu())
-            if layer == 0:
-                self.trace.ropes.append(Rope(seen.key_rope.angles_BTA.detach().cpu()))
-                coords = seen.key_rope.coords_BP
-                self.trace.rotary_coords = 0 if coords is None or seen.key_rope.at is None else coords.shape[-1]
+        if self.trace is not None:
+            self.trace.put(layer, index, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
+
+
+def attention_mass(seen: Attended) -> Tensor:
+    """Attention mass per cached frame [B, H, F] (`stats.frame_mass`), from the logits a block of
+    query rows at a time: the mean over the frame's queries of each block, weighted by its rows."""
+    T = seen.q_BHTD.shape[2]
+    total = None
+    for rows, logits in seen.logit_blocks():
+        part = frame_mass(logits.softmax(-1), T)  # mean over the block's rows
+        if rows.stop - rows.start != T:
+            part.mul_((rows.stop - rows.start) / T)
+        total = part if total is None else total + part
+    return total
 
 
 def _check_finite(layer: int, frame: int, x_BHTD: Tensor, what: str) -> None:
@@ -171,7 +161,7 @@ def record(world: WorldAdapter, trajs: list[Trajectory], recorder: Recorder, win
             continue
         for sample in (recorder.q, recorder.k, recorder.v):
             sample.reseed()
-        trace = Trace.empty(layers) if i < trace_batches and recorder.trace_frames else None
+        trace = Trace(recorder.trace, device) if i < trace_batches and recorder.trace is not None else None
         cache = RecordingCache(layers, window, sink_frames, recorder, trace)
         rollout_batch(world, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
         if trace is not None:

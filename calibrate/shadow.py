@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from calibrate.cache import Attended, KVCache
+from calibrate.cache import Attended, KVCache, attention_logits, bias_rows
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
 
@@ -79,24 +79,34 @@ class ShadowCache(KVCache):
             cache.expect(coords_BP)
 
     def observe(self, seen: Attended) -> None:
+        """Compare each shadow's attention with the fp attention of `seen`, a block of query rows at
+        a time (`Attended.logit_blocks`: no more than one block of [B, H, T, N] logits at once)."""
         layer, q_BHTD, out = seen.layer, seen.q_BHTD, seen.out_BHTD
-        logp_ref = seen.logits_BHTN.log_softmax(-1)
         T = q_BHTD.shape[2]
-        top_ref = logp_ref.exp().unflatten(-1, (-1, T)).sum(-1).argmax(-1)
-        rows = q_BHTD.shape[0] * q_BHTD.shape[1] * T
+        rows_total = q_BHTD.shape[0] * q_BHTD.shape[1] * T
         for name, cache in self.shadows.items():
             cache.append(layer, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
-            kq, vq = cache.gather(layer, seen.k_rot_BHTD, seen.v_BHTD)
-            logp_q = cache.logits(layer, q_BHTD, kq).log_softmax(-1)  # with its key-noise correction
-            p_q = logp_q.exp()
-            o_q = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
-            err = o_q - out
-            top_q = p_q.unflatten(-1, (-1, T)).sum(-1).argmax(-1)
-            kl = (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).clamp_min(0).sum().item()
-            values = dict(rows=rows, kl=kl, top=(top_q == top_ref).sum().item(),
-                          err2=err.pow(2).sum().item(), ref2=out.pow(2).sum().item())
+        reads = {name: cache.gather(layer, seen.k_rot_BHTD, seen.v_BHTD) for name, cache in self.shadows.items()}
+        biases = {name: cache.logit_bias(layer, q_BHTD) for name, cache in self.shadows.items()}  # key-noise corrections
+        o_q = {name: torch.empty_like(out) for name in self.shadows}
+        kl = dict.fromkeys(self.shadows, 0.0)
+        top = dict.fromkeys(self.shadows, 0)
+        for rows, logits in seen.logit_blocks():
+            logp_ref = logits.log_softmax(-1)
+            p_ref = logp_ref.exp()
+            top_ref = p_ref.unflatten(-1, (-1, T)).sum(-1).argmax(-1)
+            for name, (kq, vq) in reads.items():
+                logp_q = attention_logits(q_BHTD[:, :, rows], kq, bias_rows(biases[name], rows)).log_softmax(-1)
+                p_q = logp_q.exp()
+                o_q[name][:, :, rows] = torch.einsum("bhtn,bhnd->bhtd", p_q, vq)
+                top[name] += (p_q.unflatten(-1, (-1, T)).sum(-1).argmax(-1) == top_ref).sum().item()
+                kl[name] += (p_ref * (logp_ref - logp_q)).sum(-1).clamp_min(0).sum().item()
+        for name in self.shadows:
+            err = o_q[name] - out
+            values = dict(rows=rows_total, kl=kl[name], top=top[name], err2=err.pow(2).sum().item(),
+                          ref2=out.pow(2).sum().item())
             prev = self._prev_err.get((name, layer))
             if prev is not None:
-                values.update(dt2=(err - prev).pow(2).sum().item(), dt_rows=rows)
+                values.update(dt2=(err - prev).pow(2).sum().item(), dt_rows=rows_total)
             self._prev_err[(name, layer)] = err
             self.errors[name].add(layer, **values)

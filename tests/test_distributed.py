@@ -4,6 +4,7 @@ reduce to exactly the single-process statistics.
 This file is also the worker script: torchrun runs it with `--worker OUT_DIR`.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -105,29 +106,72 @@ def test_two_gloo_processes_reduce_exactly(tmp_path):
         assert ((ids // 1000 < NUM_TRAJECTORIES) & (ids % 1000 < NUM_FRAMES * T)).all()
 
 
+def _cli_once_and_on_two_ranks(args: list[str], tmp_path: Path) -> None:
+    """`python -m calibrate *args` into tmp_path/single and the same under torchrun with 2 CPU
+    processes into tmp_path/torchrun; both exit 0 and no rank aborts at exit."""
+    runs = {"single": [sys.executable, "-m", "calibrate"],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "calibrate"]}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    for name, cmd in runs.items():
+        run = subprocess.run([*cmd, *args, f"hydra.run.dir={tmp_path / name}"], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "terminate called" not in run.stderr
+
+
 @pytest.mark.slow
 def test_torchrun_stats_cli_writes_the_single_process_statistics(tiny_weights, tmp_path):
     """`torchrun --nproc_per_node 2 -m calibrate task=stats device=cpu` (the README's command):
     both ranks exit 0 (each tears its gloo group down) and rank 0 writes the statistics a
     single process writes, counts exactly."""
     _, weights = tiny_weights
-    args = ["task=stats", "device=cpu", "trajectories=quick", "trajectories.num_frames=12", f"model.weights={weights}"]
-    runs = {"single": [sys.executable, "-m", "calibrate"],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "calibrate"]}
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    out = {}
-    for name, cmd in runs.items():
-        run = subprocess.run([*cmd, *args, f"hydra.run.dir={tmp_path / name}"], env=env, cwd=REPO,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "terminate called" not in run.stderr
-        out[name] = S.load_stats(tmp_path / name / "stats.safetensors").stats.tensors
+    _cli_once_and_on_two_ranks(["task=stats", "device=cpu", "trajectories=quick", "trajectories.num_frames=12",
+                                f"model.weights={weights}"], tmp_path)
+    out = {name: S.load_stats(tmp_path / name / "stats.safetensors").stats.tensors for name in ("single", "torchrun")}
     assert out["single"].keys() == out["torchrun"].keys()
     for name, t in out["single"].items():
         if t.dtype == torch.int64:
             assert torch.equal(out["torchrun"][name], t), name
+
+
+
+def test_torchrun_calibrate_writes_the_single_process_recipe(tiny_weights, tmp_path):
+    """`torchrun --nproc_per_node 2 -m calibrate device=cpu`: the replay shards trajectories, the
+    trace goes to each layer's owner, the predictive fit shards the layers (one per rank here),
+    and rank 0 alone evaluates and writes: the same recipe as one process. Its integer tensors,
+    scheme, memory and every choice are equal; float tensors agree within 1e-6 (seen: a rotation
+    off by one ulp), because the all-reduce sums the float64 statistics in another order. Both
+    runs batch 2 trajectories: TinyWorld's float32 rollout of a trajectory can differ in the last
+    bit with the batch size (MKL picks kernels by matrix size)."""
+    from safetensors import safe_open
+
+    _, weights = tiny_weights
+    args = ["device=cpu", f"model.weights={weights}", "trajectories.families=[orbit,stress,pan]",
+            "trajectories.num_trajectories=4", "trajectories.num_frames=12", "trajectories.batch_size=2",
+            "fit.trace_frames=8", "fit.sample_tokens=64", "fit.closed_loop_frames=8", "fit.closed_loop_trajectories=1",
+            "fit.intra_mults=[1.0,1.3]", "fit.inter_mults=[0.7,1.0]", "fit.closed_loop_scales=[1.0,1.4]",
+            "check.num_trajectories=1", "check.num_frames=8", "eval.strips=false", "eval.attention=false"]
+    _cli_once_and_on_two_ranks(args, tmp_path)
+    recipes = {}
+    for name in ("single", "torchrun"):
+        with safe_open(tmp_path / name / "recipe.safetensors", "pt") as f:
+            recipes[name] = ({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+    (single, meta1), (multi, meta2) = recipes["single"], recipes["torchrun"]
+    assert single.keys() == multi.keys()
+    for key, t in single.items():  # integer codes exactly; floats within the float64 statistics' summation order
+        if t.dtype == torch.int64:
+            assert torch.equal(multi[key], t), key
+        else:
+            torch.testing.assert_close(multi[key], t, atol=1e-6, rtol=0, msg=key)
+    assert meta1["scheme"] == meta2["scheme"] and meta1["memory"] == meta2["memory"]
+    fit1, fit2 = json.loads(meta1["fit"]), json.loads(meta2["fit"])
+    assert fit1["head_bits"] == fit2["head_bits"] and fit1["closed_loop"]["chosen"] == fit2["closed_loop"]["chosen"]
+    assert [(u["layer"], u["tensor"], u["head"]) for u in fit1["upgrades"]] == \
+        [(u["layer"], u["tensor"], u["head"]) for u in fit2["upgrades"]]
+    assert [{k: e[k]["intra_mult"] + e[k]["inter_mult"] for k in "kv"} for e in fit1["layers"]] == \
+        [{k: e[k]["intra_mult"] + e[k]["inter_mult"] for k in "kv"} for e in fit2["layers"]]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -92,3 +92,81 @@ def test_a_budget_no_code_can_meet_is_refused(model):
 def test_ablation_switches_change_what_they_say(model, override, check):
     recipe, _ = calibration.fit(tiny_fit_config(mixed_precision=False, **override), model, CPU)
     assert check(recipe)
+
+
+def _reference_allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords):
+    """The mixed-precision greedy as first written (reference): every pending offer priced with the
+    whole memory model (assemble + bits_per_element) at every step."""
+    from dataclasses import replace
+
+    from calibrate.fit.predictive_search import MAX_AVG_BITS, assemble, head_objective, reconstruct
+    from calibrate.memory import bits_per_element
+
+    lam, step = cfg.lambda_temporal, cfg.bits_step
+    bits_now = lambda: bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames)
+
+    def layer_scores(layer, which=None, up=None):
+        pair = fits[layer]
+        k_hat = reconstruct(traces[layer], pair["k"], cfg, up if which == "k" else None)
+        v_hat = reconstruct(traces[layer], pair["v"], cfg, up if which == "v" else None)
+        return head_objective(traces[layer], refs[layer], k_hat, v_hat, lam)
+
+    def offers(layer, current):
+        out = []
+        for kind in ("k", "v"):
+            heads = fits[layer][kind].heads
+            up = [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in heads]
+            new = layer_scores(layer, kind, up)
+            out += [(float(current[h] - new[h]), layer, kind, h) for h in range(len(heads)) if up[h] != heads[h]]
+        return out
+
+    pending = {l: offers(l, layer_scores(l)) for l in range(len(traces))}
+    taken = []
+    while True:
+        current, best = bits_now(), None
+        for gain, layer, kind, h in [o for layer_offers in pending.values() for o in layer_offers]:
+            if gain <= 0:
+                continue
+            heads = fits[layer][kind].heads
+            old = heads[h]
+            heads[h] = replace(old, avg_bits=old.avg_bits + step)
+            cost = bits_now() - current
+            heads[h] = old
+            if cost <= 0 or current + cost > cfg.budget_bits + 1e-9:
+                continue
+            if best is None or gain / cost > best[0]:
+                best = (gain / cost, gain, cost, layer, kind, h)
+        if best is None:
+            return taken
+        _, gain, cost, layer, kind, h = best
+        heads = fits[layer][kind].heads
+        heads[h] = replace(heads[h], avg_bits=heads[h].avg_bits + step)
+        pending[layer] = offers(layer, layer_scores(layer))
+        taken.append({"layer": layer, "tensor": kind, "head": h, "avg_bits": heads[h].avg_bits,
+                      "gain": round(gain, 6), "bits_cost": round(cost, 4)})
+
+
+@pytest.mark.parametrize("budget", [2.5, 3.0])
+def test_incremental_mixed_precision_takes_the_reference_greedy_steps(model, budget):
+    """The [L, 2, H] offer table with per-head byte terms chooses exactly what pricing every offer
+    with the whole memory model chooses: the same upgrades, gains, costs and final widths."""
+    import copy
+    from dataclasses import replace
+
+    from calibrate.fit.objective import attention_outputs
+    from calibrate.fit.predictive_search import _allocate, fit_predictive
+    from calibrate.trace import LayerTraces
+
+    cfg = tiny_fit_config(budget_bits=budget, mixed_precision=False)
+    recorder = calibration.calibration_recording(cfg, model, CPU)
+    traces = LayerTraces(recorder.traces[0], 16, 1, cfg.fit.trace_trajectories)
+    coords = recorder.traces[0].rotary_coords
+    info = as_world(model).info
+    _, _, fits = fit_predictive(info, traces, recorder.stats, cfg.fit, 16, 1, coords)
+    refs = [attention_outputs(t) for t in traces]
+    mine, theirs = copy.deepcopy(fits), copy.deepcopy(fits)
+    fit_cfg = replace(cfg.fit, mixed_precision=True)
+    got = _allocate(info, traces, refs, mine, fit_cfg, 16, 1, coords)
+    want = _reference_allocate(info, traces, refs, theirs, fit_cfg, 16, 1, coords)
+    assert got and got == want
+    assert [[f[k].heads for k in ("k", "v")] for f in mine] == [[f[k].heads for k in ("k", "v")] for f in theirs]

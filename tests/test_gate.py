@@ -13,7 +13,8 @@ from calibrate import load_model
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
 from calibrate.recipe import load_recipe, save_recipe
-from calibrate.replay import Recorder, RecordingCache, Trace, rollout_batch
+from calibrate.replay import Recorder, RecordingCache, rollout_batch
+from calibrate.trace import Trace, plan_trace
 from calibrate.world.trajectories import make_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,12 +53,13 @@ def test_recording_does_not_change_the_rollout():
     model = load_model("tinyworld")
     trajs = make_trajectories(["orbit", "revisit"], "evaluation", 2, 24)
     plain, _ = rollout_batch(as_world(model), trajs, KVCache(model.cfg.num_layers, 16, 1), torch.device("cpu"))
-    recorder = Recorder.create(as_world(model).info, sample_tokens=64, trace_frames=8)
-    cache = RecordingCache(model.cfg.num_layers, 16, 1, recorder, Trace.empty(model.cfg.num_layers))
+    info = as_world(model).info
+    recorder = Recorder.create(info, sample_tokens=64)
+    cache = RecordingCache(model.cfg.num_layers, 16, 1, recorder, Trace(plan_trace(info, 2, 8, 512, 1 << 30)))
     recorded, _ = rollout_batch(as_world(model), trajs, cache, torch.device("cpu"))
     assert torch.equal(plain, recorded)
     assert int(recorder.stats.tensors["k.count"][0]) == 2 * 24 * 16 - 2 * 16  # every appended frame's tokens
-    assert len(cache.trace.k[0]) == 8
+    assert cache.trace.num_frames == 8
 
 
 def test_report_schema(tmp_path):

@@ -15,7 +15,10 @@ def test_cpu_smoke_runs_every_step_of_the_device_script(tmp_path):
     gpu.main(["--cpu-smoke", "--chunks", "2", "--window", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "gpu_smoke.json").read_text())
     assert [r["cache"] for r in res["rows"]] == ["KVCache (float32, the model's own)", "fast, fp16", "fast, naive2",
-                                                 "fast, kivi2", "fast, predictive 2.5 bits"]
+                                                 "fast, kivi2", "fast, predictive 2.5 bits", "fast, calibrated here"]
+    cal = res["calibrate"]  # the compiler itself ran on the device: its phases, a bounded trace, a recipe in budget
+    assert {"replay", "fit", "closed loop"} <= set(cal["phases"]) and cal["trace_slots"] > 0
+    assert cal["bits_per_element"] <= 2.5 + 1e-9
     assert all(r["kv_bytes_equal_predicted"] for r in res["rows"][1:])
     assert all(v < 1e-2 for v in res["equivalence_rel_max"].values())  # bf16 cached == uncached
     assert res["rows"][0]["rollout_rel_rmse_vs_float"] == 0 and all(r["rollout_rel_rmse_vs_float"] < 0.05 for r in res["rows"])

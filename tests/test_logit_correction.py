@@ -13,6 +13,7 @@ from calibrate.cache import Rope, softmax_attention
 from calibrate.codec import fake_quant_heads
 from calibrate.fit.logit_correction import key_error_variance, logit_shift
 from calibrate.fit.objective import LayerTrace, attention_outputs
+from calibrate.trace import plan_trace
 from calibrate.quant.logit_noise import key_noise_variance, logit_inflation
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme, validate
 from calibrate.replay import Recorder, record, rollout_batch
@@ -130,7 +131,7 @@ def test_objective_models_the_runtime_correction_and_key_frames():
 def world():
     model = calibrate.load_model("tinyworld")
     info = as_world(model).info
-    rec = Recorder.create(info, 256, 24, 0)
+    rec = Recorder.create(info, 256, plan_trace(info, 2, 24, 512, 1 << 30), 0)
     record(as_world(model), make_trajectories(["orbit", "stress"], "calibration", 2, 24), rec, 16, 1, torch.device("cpu"),
            trace_batches=1)
     return model, info, rec.traces[0]
@@ -142,7 +143,7 @@ def with_correction(recipe: Recipe, trace, bits: int) -> tuple[Recipe, Recipe]:
     plain = Recipe(recipe.model, replace(recipe.scheme, layers=layers), dict(recipe.tensors))
     tensors = dict(plain.tensors)
     for layer, pair in enumerate(layers):
-        _, k, _ = trace.stacked(layer)
+        k = trace.layer(layer, 16, 1).k
         roles = {r.split(".")[-1]: t for r, t in plain.tensors.items() if r.startswith(f"layers.{layer}.k.")}
         k_hat = fake_quant_heads(k, pair.k, roles, [bits] * recipe.model.num_kv_heads)
         tensors[f"layers.{layer}.k.logit_bias"] = key_error_variance(k, k_hat, roles.get("rotation"))

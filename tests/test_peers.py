@@ -52,7 +52,7 @@ def test_preset_bits_at_steady_state(name):
 @pytest.mark.parametrize("name", PEERS)
 def test_preset_calibrates_loads_runs_and_passes_its_check(name, tmp_path, monkeypatch):
     # the gate's set, small: run_calibrate records metrics on it, run_check replays it
-    monkeypatch.setattr(gate, "check_trajectories", lambda cfg: replace(cfg, trajectories=SMALL_CHECK))
+    monkeypatch.setattr(gate, "check_trajectories", lambda cfg, recorded=None: replace(cfg, trajectories=SMALL_CHECK))
     cfg = _config("calibrate")
     cfg.quant = replace(cfg.quant, preset=name)
     out = calibration.run_calibrate(cfg, tmp_path / "cal")

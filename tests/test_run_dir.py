@@ -82,7 +82,7 @@ def test_calibrate_with_another_window_into_the_same_dir_is_recomputed(tiny, tmp
     """The issue's case: task=calibrate quant=naive2, then the same with model.cache.window=4."""
     model, weights, _ = tiny
     small_check = TrajectoriesConfig(families=["orbit"], num_trajectories=1, num_frames=8)
-    monkeypatch.setattr(gate, "check_trajectories", lambda cfg: replace(cfg, trajectories=small_check))
+    monkeypatch.setattr(gate, "check_trajectories", lambda cfg, recorded=None: replace(cfg, trajectories=small_check))
 
     def calibrate(run_dir: Path, window: int) -> dict:
         cfg = tiny_cfg("calibrate", weights)
@@ -224,7 +224,7 @@ def test_a_non_finite_budget_is_refused(budget):
 def test_calibrate_writes_the_recipe_before_the_report(tiny, tmp_path, monkeypatch):
     model, weights, _ = tiny
     small_check = TrajectoriesConfig(families=["orbit"], num_trajectories=1, num_frames=8)
-    monkeypatch.setattr(gate, "check_trajectories", lambda cfg: replace(cfg, trajectories=small_check))
+    monkeypatch.setattr(gate, "check_trajectories", lambda cfg, recorded=None: replace(cfg, trajectories=small_check))
     cfg = tiny_cfg("calibrate", weights)
     cfg.quant.preset = "naive2"
     for name in ("report.json", "report.md", "report.html"):  # an earlier run's report

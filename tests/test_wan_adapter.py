@@ -144,7 +144,8 @@ def test_missing_diffusers_names_the_extra(monkeypatch):
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model=wan_diffusers", "trajectories=quick", "trajectories.num_frames=24", "trajectories.num_trajectories=2",
          "fit.closed_loop_frames=24", "fit.closed_loop_trajectories=1", "fit.trace_frames=16",
-         "model.wan.denoise_timesteps=[1000,500]"]
+         "model.wan.denoise_timesteps=[1000,500]", "model.wan.chunk_frames=2", "check.num_frames=24",
+         "check.num_trajectories=2"]
 
 
 def calibrate(*args: str) -> subprocess.CompletedProcess:
@@ -162,15 +163,18 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     cal = calibrate(*SMALL, f"hydra.run.dir={tmp_path / 'cal'}")
     assert cal.returncode == 0, cal.stderr[-2000:]
     recipe_path = tmp_path / "cal" / "recipe.safetensors"
-    adapter = wan.load(None, WanSettings(), CPU)
+    adapter = wan.load(None, WanSettings(chunk_frames=2), CPU)
     recipe = load_recipe(recipe_path, adapter.info)  # validates shapes against the Wan model
-    assert recipe.model.name == "wan_diffusers" and recipe.model.tokens_per_frame == 64
+    assert recipe.model.name == "wan_diffusers" and recipe.model.tokens_per_frame == 2 * 64
+    assert json.loads(recipe.metadata["metrics"])["check"]["trajectories"] == {"num_trajectories": 2, "num_frames": 24}
     report = json.loads((tmp_path / "cal" / "report.json").read_text())
     memory = report["schemes"]["ours"]["memory"]
     assert memory["bytes"] == memory["predicted_bytes"]  # packed bytes measured from the tensors
     assert memory["bits_per_element"] <= 2.5 + 1e-9
 
-    check = calibrate("task=check", "model=wan_diffusers", "model.wan.denoise_timesteps=[1000,500]", f"recipe={recipe_path}", f"hydra.run.dir={tmp_path / 'check'}")
+    # the check replays the set the recipe recorded its metrics on (2 x 24 frames), not check.yaml's 4 x 128
+    check = calibrate("task=check", "model=wan_diffusers", "model.wan.denoise_timesteps=[1000,500]",
+                      "model.wan.chunk_frames=2", f"recipe={recipe_path}", f"hydra.run.dir={tmp_path / 'check'}")
     assert check.returncode == 0, check.stderr[-2000:]
     result = json.loads((tmp_path / "check" / "check.json").read_text())
     recorded = json.loads(recipe.metadata["metrics"])["check"]
@@ -180,11 +184,18 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["model.weights=/no/such/dir"], "is not a diffusers model directory"),
     (["model.wan.chunk_frames=5"], "does not divide"),
+    (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=24",
+      "check.num_frames=128"], "does not divide check.num_frames=128; set check.num_frames to a multiple of 3"),
+    (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=20"],
+     "fit.closed_loop_frames=18"),
+    (["fit.trace_bytes=12 parsecs"], "fit.trace_bytes"),
     (["model.wan.dtype=float8"], "model.wan.dtype"),
     (["task=train_world"], "trains model=tinyworld or model=wanworld"),
 ])
 def test_cli_bad_wan_input_is_one_line(tmp_path, args, message):
+    """Refused from the config alone, before the model loads or anything runs: nothing is written."""
     run = calibrate("task=stats", *SMALL, *args, f"hydra.run.dir={tmp_path}")
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2
     assert len(lines) == 1 and message in lines[0], run.stderr
+    assert not any(p.suffix == ".safetensors" for p in tmp_path.rglob("*"))

@@ -123,7 +123,8 @@ def test_weights_round_trip_and_the_adapter_checks_settings(tmp_path):
     assert adapter.info.fingerprint == adapter_of(model).info.fingerprint
     for bad, message in ((dict(latent_height=32), "latent_height/latent_width must be 16"),
                          (dict(chunk_frames=2), "chunk_frames must be 1"),
-                         (dict(text_embedding="x.safetensors"), "text_embedding is not used")):
+                         (dict(text_embedding="x.safetensors"), "text_embedding is not used"),
+                         (dict(config="wan2.1-t2v-1.3b"), "carries its own config")):
         with pytest.raises(AdapterError, match=message):
             load_adapter(ModelConfig(name="wanworld", weights=str(path), wan=WanSettings(**{**vars(SETTINGS), **bad})), CPU)
     with pytest.raises(AdapterError, match="WanWorld weights file not found"):

@@ -38,8 +38,10 @@ it; the true frames and an RGB preview come from it.
 
 Weights: `model.weights` is a diffusers model directory (`config.json` and
 `diffusion_pytorch_model*.safetensors`, e.g. the `transformer/` folder of
-Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a causal fine-tune converted to that layout). With no
-weights, `TINY` builds a small random model (tests, CPU smoke runs).
+Wan-AI/Wan2.1-T2V-1.3B-Diffusers), or one checkpoint file as Self-Forcing, CausVid and LongLive
+publish them (original Wan layout, `.safetensors` or a `.pt` state dict: wan_checkpoint.py, with
+`model.wan.config` for a model other than Wan2.1-T2V-1.3B; a directory brings its own config.json).
+With no weights, `TINY` builds a small random model (tests, CPU smoke runs).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class WanSettings:
     shift: float = 5.0  # flow-matching timestep shift (sigma' = shift*s / (1 + (shift-1)*s))
     text_embedding: str | None = None  # .safetensors with `text_embedding` [L, text_dim]; None = seeded random
     dtype: str = "float32"  # one of WAN_DTYPES
+    config: str | None = None  # a checkpoint file's config (wan_checkpoint.read_config); None = Wan2.1-T2V-1.3B's
+    checkpoint_key: str | None = None  # entry of a checkpoint file that wraps its state dict; None = wan_checkpoint.WRAPPER_KEYS
 
     def check(self, where: str = "model.wan") -> None:
         """One-line ValueError naming the first field out of range."""
@@ -332,11 +336,23 @@ def tiny_transformer():
         return diffusers.WanTransformer3DModel(**TINY)
 
 
-def load_transformer(weights: str | None, dtype: torch.dtype):
+def load_transformer(weights: str | None, dtype: torch.dtype, config: str | None = None,
+                     checkpoint_key: str | None = None):
+    """The transformer of `weights`: None = the tiny random model; a diffusers model directory; or
+    one checkpoint file in the original Wan or the diffusers layout (wan_checkpoint.py), whose
+    config is `config` (default: Wan2.1-T2V-1.3B's when the weights have its shapes)."""
     if weights is None:
+        if config is not None:
+            raise AdapterError(f"model.wan.config={config} needs model.weights (a checkpoint of that model); "
+                               f"without both, the tiny random model is built")
         model = tiny_transformer()
         return model if dtype == torch.float32 else model.to(dtype)
     path = Path(weights)
+    if not path.is_dir():
+        _diffusers()
+        from calibrate.adapters import wan_checkpoint
+
+        return wan_checkpoint.load(path, config, dtype, checkpoint_key)
     if not (path / "config.json").is_file():
         raise AdapterError(f"model.weights: {path} is not a diffusers model directory (no config.json there)")
     diffusers = _diffusers()
@@ -362,7 +378,7 @@ def load_text_embedding(path: str | None, text_dim: int) -> Tensor:
 
 def load(weights: str | None, cfg: WanSettings, device: torch.device) -> WanAdapter:
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    transformer = load_transformer(weights, dtype).to(device)
+    transformer = load_transformer(weights, dtype, cfg.config, cfg.checkpoint_key).to(device)
     text = load_text_embedding(cfg.text_embedding, transformer.config.text_dim)
     return WanAdapter(transformer, cfg, text)
 

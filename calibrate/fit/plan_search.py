@@ -30,13 +30,13 @@ a 2.5-bit cache cost, which can hold a longer window or leave room for recall sl
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from calibrate.adapters.base import WorldAdapter
+from calibrate.config import parse_bytes
 from calibrate.evaluate.metrics import psnr
 from calibrate.memory import fp16_cache_bytes, memory_section, steady_state_frames
 from calibrate.plan import MemoryPlan
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 SCORE = ("mean of two gains over the reference plan, dB: self-consistency of return frames (>= 64 frames away) "
          "and PSNR vs truth of every other frame")
 WHY = "highest score (ties: fewer device bytes)"
-_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3}
 
 
 def parse_budget(text: str, info: ModelInfo, window: int, sink_frames: int) -> int:
@@ -66,17 +65,9 @@ def parse_budget(text: str, info: ModelInfo, window: int, sink_frames: int) -> i
 
 def byte_count(text: str) -> int | None:
     """`memory.device_budget` without the model: its bytes, or None for `fp16`; ValueError if malformed."""
-    t = str(text).strip().lower()
-    if t == "fp16":
+    if str(text).strip().lower() == "fp16":
         return None
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
-    if m is None or m.group(2) not in _UNITS:
-        raise ValueError(f"config: memory.device_budget={text!r} is not a byte count (e.g. 835584, 816KiB, 0.8MB) "
-                         f"or 'fp16'")
-    value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if value <= 0:
-        raise ValueError(f"config: memory.device_budget={text!r} must be > 0 bytes")
-    return value
+    return parse_bytes(text, "memory.device_budget")
 
 
 def with_plan(recipe: Recipe, plan: MemoryPlan | None) -> Recipe:

@@ -30,10 +30,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from calibrate import predictive_roles
+from calibrate.cache import kept_frames
 from calibrate.config import FitConfig
+from calibrate.distributed import Shard
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
 from calibrate.fit.predictive import fit_head
-from calibrate.memory import bits_per_element
+from calibrate.memory import (bits_per_element, fp16_cache_bytes, predicted_cache_bytes, predictive_head_bytes,
+                              steady_phases, steady_state_frames)
 from calibrate.quant.predictive import MAX_BITS, fake_quant_sequence
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
@@ -98,11 +101,14 @@ class TensorFit:
         return spec, roles
 
 
-def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None) -> Tensor:
-    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary)."""
+def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None,
+                only: int | None = None) -> Tensor:
+    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary);
+    with `only` = h, head h alone from a one-head `trace` (`Trace.layer(..., heads=...)`): [B, 1, F, T, D]."""
     x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
-    out = torch.stack([fake_quant_sequence(x[:, h], p, intra_only=not cfg.temporal)
-                       for h, p in enumerate(fit.params(cfg, heads))], dim=1)
+    params = fit.params(cfg, heads)
+    pairs = list(enumerate(params)) if only is None else [(0, params[only])]
+    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal) for i, p in pairs], dim=1)
     return trace.rotate(out) if fit.stat_kind == "kpre" else out
 
 
@@ -127,12 +133,16 @@ def assemble(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, 
 
 
 def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cfg: FitConfig, window: int,
-                   sink_frames: int, rotary_coords: int) -> tuple[Recipe, dict, list[dict[str, TensorFit]]]:
+                   sink_frames: int, rotary_coords: int,
+                   shard: Shard | None = None) -> tuple[Recipe, dict, list[dict[str, TensorFit]]]:
     """Fit every layer's predictive codes and spend the budget; returns (recipe, fit record, the
     per-tensor fits that `rescaled` turns into closed-loop candidates).
 
     `rotary_coords` = coordinates the model's rotary gives per frame (0: none, keys post-rotary).
+    With a `shard` (several processes) each layer's objective work runs on its owner, which holds
+    that layer's trace, and the results are shared: every rank returns the same recipe.
     """
+    shard = shard or Shard()
     lam = cfg.lambda_temporal
     pre = cfg.pre_rotary and rotary_coords > 0
     record: dict = {"code": "predictive", "lambda_temporal": lam, "budget_bits": cfg.budget_bits,
@@ -141,42 +151,57 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     if cfg.pre_rotary and not rotary_coords:
         record["keys_why"] = "the model's rotary gives no coordinates: keys are coded post-rotary"
     base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
-    fits, refs = [], []
-    grid = [(a, b) for a in cfg.intra_mults for b in cfg.inter_mults]
-    for layer, trace in enumerate(tqdm(traces, desc="fit layers")):
-        reference = attention_outputs(trace)
-        refs.append(reference)
-        pair: dict[str, TensorFit] = {}
-        entry = {}
-        k_hat = None
-        for kind in KINDS:
-            stat_kind = "kpre" if (kind == "k" and pre) else kind
-            fit = TensorFit(kind, stat_kind, *moments(stats, stat_kind, layer), [])
-            H = fit.mean.shape[0]
-            scores = []
-            for a, b in grid:
-                fit.heads = [HeadCode(base_bits, a, b)] * H
-                hat = reconstruct(trace, fit, cfg)
-                scores.append(head_objective(trace, reference, hat if kind == "k" else k_hat, hat if kind == "v" else None, lam))
-            best = torch.stack(scores).argmin(0).tolist()
-            fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
-            pair[kind] = fit
-            if kind == "k":
-                k_hat = reconstruct(trace, fit, cfg)
-            entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
-                           "why": "lowest teacher-forced objective per head over fit.intra_mults x fit.inter_mults",
-                           "scores": [[round(float(s[h]), 6) for h in range(H)] for s in scores]}
-        fits.append(pair)
+    fits, refs = [], [None] * info.num_layers
+    for layer in tqdm(range(info.num_layers), desc="fit layers", unit="layer"):
+        entry = None
+        if shard.owns(layer):
+            trace = traces[layer]
+            refs[layer] = attention_outputs(trace)
+            entry = _layer_steps(layer, trace, refs[layer], stats, cfg, pre, base_bits)
+        entry = shard.share(layer, entry)
+        fits.append({kind: TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer),
+                                     [HeadCode(base_bits, a, b) for a, b in zip(entry[kind]["intra_mult"],
+                                                                                 entry[kind]["inter_mult"])])
+                     for kind in KINDS})
         record["layers"].append(entry)
     recipe = assemble(info, fits, cfg, rotary_coords)
     record["base_bits"] = bits_per_element(info, recipe.scheme, window, sink_frames)
-    record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords) \
+    record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords, shard) \
         if cfg.mixed_precision else []
     recipe = assemble(info, fits, cfg, rotary_coords)
     record["bits_per_element"] = bits_per_element(info, recipe.scheme, window, sink_frames)
     record["head_bits"] = {f"{i}.{kind}": [c.avg_bits for c in pair[kind].heads] for i, pair in enumerate(fits)
                            for kind in KINDS}
     return recipe, record, fits
+
+
+def _stat_kind(kind: str, pre: bool) -> str:
+    return "kpre" if (kind == "k" and pre) else kind
+
+
+def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStats, cfg: FitConfig, pre: bool,
+                 base_bits: float) -> dict:
+    """One layer's step multipliers per head: K with V in full precision, then V with the fitted K,
+    each the pair of `fit.intra_mults` x `fit.inter_mults` with the lowest objective per head."""
+    lam = cfg.lambda_temporal
+    grid = [(a, b) for a in cfg.intra_mults for b in cfg.inter_mults]
+    entry, k_hat = {}, None
+    for kind in KINDS:
+        fit = TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer), [])
+        H = fit.mean.shape[0]
+        scores = []
+        for a, b in grid:
+            fit.heads = [HeadCode(base_bits, a, b)] * H
+            hat = reconstruct(trace, fit, cfg)
+            scores.append(head_objective(trace, reference, hat if kind == "k" else k_hat, hat if kind == "v" else None, lam))
+        best = torch.stack(scores).argmin(0).tolist()
+        if kind == "k":
+            fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
+            k_hat = reconstruct(trace, fit, cfg)
+        entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
+                       "why": "lowest teacher-forced objective per head over fit.intra_mults x fit.inter_mults",
+                       "scores": [[round(float(s[h]), 6) for h in range(H)] for s in scores]}
+    return entry
 
 
 def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int) -> float:
@@ -216,57 +241,96 @@ def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre
                       f"component with its anchors needs for this model and window")
 
 
-def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rotary_coords) -> list[dict]:
-    """Greedy: +`fit.bits_step` bits per component for the head with the best objective gain per bit."""
+def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rotary_coords,
+              shard: Shard | None = None) -> list[dict]:
+    """Greedy: +`fit.bits_step` bits per component for the head with the best objective gain per bit.
+
+    Priced incrementally. Every pending offer is a (gain, byte change) pair in an [L, 2, H] table:
+    an upgrade of one head changes the cache's bytes by that head's own term
+    (`memory.predictive_head_bytes`), and the objective of a head depends on that head's K and V
+    alone. So a layer is priced once with three passes over all its heads (current codes, every K
+    head one step up, every V head one step up; four reconstructions), and after an upgrade only
+    the upgraded head's two offers change: three passes over that one head. Per upgrade the work
+    is 1/H of a layer's, and O(L x H) arithmetic on the table. Bits are computed from the exact
+    byte total as `memory.bits_per_element` does (16 * bytes / fp16 bytes at steady state; a
+    predictive recipe has one steady phase), so the choices and ties are those of pricing every
+    offer with the whole memory model: the first best offer in (layer, K before V, head) order
+    wins. With a `shard`, a layer's owner prices it and shares the table rows.
+    """
+    shard = shard or Shard()
     lam, step = cfg.lambda_temporal, cfg.bits_step
+    L, H, T, D = info.num_layers, info.num_kv_heads, info.tokens_per_frame, info.head_dim
+    n0 = steady_state_frames(window, sink_frames)
+    kept = kept_frames(n0, window, sink_frames)
+    fp16 = fp16_cache_bytes(info, n0, window, sink_frames)
+    scheme = assemble(info, fits, cfg, rotary_coords).scheme
+    assert steady_phases(scheme) == 1  # predictive codes: no key frames, no spans
+    total = predicted_cache_bytes(info, scheme, n0, window, sink_frames)
+    gain = torch.full((L, len(KINDS), H), float("nan"), dtype=torch.float64)  # nan: no offer
+    delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
 
-    def bits_now() -> float:
-        return bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames)
+    def head_bytes(p) -> int:
+        return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1,
+                                     T, D)
 
-    def layer_scores(layer: int, which: str | None = None, up: list[HeadCode] | None = None) -> Tensor:
-        pair = fits[layer]
-        k_hat = reconstruct(traces[layer], pair["k"], cfg, up if which == "k" else None)
-        v_hat = reconstruct(traces[layer], pair["v"], cfg, up if which == "v" else None)
-        return head_objective(traces[layer], refs[layer], k_hat, v_hat, lam)
+    def ups(layer: int) -> dict[str, list[HeadCode]]:
+        return {kind: [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fits[layer][kind].heads]
+                for kind in KINDS}
 
-    def offers(layer: int, current: Tensor) -> list[tuple[float, int, str, int]]:
-        out = []
-        for kind in KINDS:
-            heads = fits[layer][kind].heads
-            up = [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in heads]
-            new = layer_scores(layer, kind, up)
-            out += [(float(current[h] - new[h]), layer, kind, h) for h in range(len(heads)) if up[h] != heads[h]]
-        return out
+    def fill(layer: int, heads: list[int], current: Tensor, new: dict[str, Tensor], up: dict[str, list[HeadCode]]):
+        for i, kind in enumerate(KINDS):
+            fit = fits[layer][kind]
+            now, then = fit.params(cfg), fit.params(cfg, up[kind])
+            for j, h in enumerate(heads):
+                offered = up[kind][h] != fit.heads[h]
+                gain[layer, i, h] = float(current[j] - new[kind][j]) if offered else float("nan")
+                delta[layer, i, h] = head_bytes(then[h]) - head_bytes(now[h]) if offered else 0
 
-    scores = [layer_scores(l) for l in range(len(traces))]
-    pending = {l: offers(l, scores[l]) for l in range(len(traces))}
-    taken, bar = [], tqdm(desc="mixed precision", unit="upgrade")
+    def price_layer(layer: int) -> None:
+        """Every head's two offers against the layer's current codes (three passes over all heads)."""
+        if shard.owns(layer):
+            trace, ref, up = traces[layer], refs[layer], ups(layer)
+            cur = {kind: reconstruct(trace, fits[layer][kind], cfg) for kind in KINDS}
+            hat = {kind: reconstruct(trace, fits[layer][kind], cfg, up[kind]) for kind in KINDS}
+            fill(layer, list(range(H)), head_objective(trace, ref, cur["k"], cur["v"], lam),
+                 {"k": head_objective(trace, ref, hat["k"], cur["v"], lam),
+                  "v": head_objective(trace, ref, cur["k"], hat["v"], lam)}, up)
+        shard.share_rows(layer, gain[layer], delta[layer])
+
+    def price_head(layer: int, h: int) -> None:
+        """Head h's two offers after its upgrade (three passes over that head alone)."""
+        if shard.owns(layer):
+            trace, ref, up = traces.head(layer, h), refs[layer][:, h:h + 1], ups(layer)
+            cur = {kind: reconstruct(trace, fits[layer][kind], cfg, only=h) for kind in KINDS}
+            hat = {kind: reconstruct(trace, fits[layer][kind], cfg, up[kind], only=h) for kind in KINDS}
+            fill(layer, [h], head_objective(trace, ref, cur["k"], cur["v"], lam),
+                 {"k": head_objective(trace, ref, hat["k"], cur["v"], lam),
+                  "v": head_objective(trace, ref, cur["k"], hat["v"], lam)}, up)
+        shard.share_rows(layer, gain[layer], delta[layer])
+
+    for layer in tqdm(range(L), desc="mixed precision: price", unit="layer"):
+        price_layer(layer)
+    taken = []
+    bar = tqdm(desc="mixed precision: bits spent", total=round(max(cfg.budget_bits - 16.0 * total / fp16, 0.0), 4),
+               unit="bit")
     while True:
-        current = bits_now()
-        best = None
-        for gain, layer, kind, h in [o for layer_offers in pending.values() for o in layer_offers]:
-            if gain <= 0:
-                continue
-            heads = fits[layer][kind].heads
-            old = heads[h]
-            heads[h] = replace(old, avg_bits=old.avg_bits + step)
-            cost = bits_now() - current
-            heads[h] = old
-            if cost <= 0 or current + cost > cfg.budget_bits + 1e-9:
-                continue
-            if best is None or gain / cost > best[0]:
-                best = (gain / cost, gain, cost, layer, kind, h)
-        if best is None:
+        current = 16.0 * total / fp16
+        cost = 16.0 * (total + delta).double() / fp16 - current
+        ok = (gain > 0) & (cost > 0) & (current + cost <= cfg.budget_bits + 1e-9)
+        if not bool(ok.any()):
             break
-        _, gain, cost, layer, kind, h = best
-        heads = fits[layer][kind].heads
+        best = int(torch.where(ok, gain / cost, float("-inf")).flatten().argmax())
+        layer, i, h = best // (len(KINDS) * H), (best // H) % len(KINDS), best % H
+        heads = fits[layer][KINDS[i]].heads
         heads[h] = replace(heads[h], avg_bits=heads[h].avg_bits + step)
-        scores[layer] = layer_scores(layer)
-        pending[layer] = offers(layer, scores[layer])
-        taken.append({"layer": layer, "tensor": kind, "head": h, "avg_bits": heads[h].avg_bits,
-                      "gain": round(gain, 6), "bits_cost": round(cost, 4)})
-        bar.update(1)
+        g, c = float(gain[layer, i, h]), float(cost[layer, i, h])
+        total += int(delta[layer, i, h])
+        price_head(layer, h)
+        taken.append({"layer": layer, "tensor": KINDS[i], "head": h, "avg_bits": heads[h].avg_bits,
+                      "gain": round(g, 6), "bits_cost": round(c, 4)})
+        bar.update(round(c, 4))
     bar.close()
+    assert total == predicted_cache_bytes(info, assemble(info, fits, cfg, rotary_coords).scheme, n0, window, sink_frames)
     return taken
 
 

@@ -29,7 +29,7 @@ lo/hi from [0, n] and, for inter, the anchor range. Shape legend: B batch, T tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -49,6 +49,12 @@ class PredictiveParams:
     intra_step_D: Tensor  # int64 >= 1: intra levels are intra_step * (2c - n)
     inter_step_D: Tensor  # int64 >= 1: inter steps are inter_step * (2c - n)
     anchor_bits_D: Tensor  # int64 in [0, 16]: |v_i| <= 2^(a_i - 1) - 1; 0 iff bits == 0
+
+    def to(self, device: torch.device) -> "PredictiveParams":
+        """The same code with its tensors on `device` (itself when they are there already)."""
+        if self.mean_D.device == device:
+            return self
+        return PredictiveParams(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     @property
     def levels_D(self) -> Tensor:

@@ -84,6 +84,9 @@ def check_settings(settings: WanSettings, model: WanWorld, where: str = "model.w
     if settings.text_embedding is not None:
         raise AdapterError(f"config: {where}.text_embedding is not used by WanWorld (its camera fills the "
                            f"cross-attention tokens); leave it null")
+    if settings.config is not None or settings.checkpoint_key is not None:
+        raise AdapterError(f"config: {where}.config and {where}.checkpoint_key describe a Wan checkpoint file; WanWorld's "
+                           f"weights file carries its own config (leave them null)")
 
 
 def load_adapter(weights: str | None, settings: WanSettings, device: torch.device) -> WanAdapter:
