@@ -58,7 +58,7 @@ def bits16(a) -> list[int]:
 
 def test_every_golden_table_is_present():
     for heading, n in (("Uniform levels", 5), ("Fixed-order sums", 2), ("Clip rounding", 1), ("Constant groups", 6),
-                       ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2)):
+                       ("Square roots", 2), ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2)):
         assert len(golden(heading)) == n, heading
 
 
@@ -126,6 +126,22 @@ def test_golden_constant_groups(row):
         assert packing.unpack(s["codes"], bits, len(x)).ravel().tolist() == [int(c) for c in row[5].split()]
         assert bits32(dec) == bits32(f32(row[6]))
         assert np.isfinite(dec).all()
+
+
+@pytest.mark.parametrize("row", golden("Square roots"), ids=lambda r: r[3])
+def test_golden_square_roots(row):
+    """The turbo norm is the correctly rounded root (not torch's float32 CPU sqrt, MKL's)."""
+    y, total, root, norm = f32(row[0]), f32(row[1]), f32(row[2]), f16(row[3])
+    assert bits32([ordered.sum_squares(torch.from_numpy(y)).item()]) == bits32(total)
+    assert bits32([ordered.sqrt(torch.from_numpy(total)).item()]) == bits32(root)
+    assert bits32(np.sqrt(total)) == bits32(root)  # numpy's float32 sqrt is IEEE's
+    levels = torch.tensor([-0.75, -0.25, 0.25, 0.75])
+    spec = TensorSpec(bits=2, kind="turbo")
+    stored = encode(torch.from_numpy(y.copy()).reshape(1, 1, -1), spec, HeadParams(bits=2, lloyd_max_L=levels))
+    mine = reader.encode_head(y.reshape(1, 1, -1), {**reader.SPEC_DEFAULTS, "bits": 2, "kind": "turbo"},
+                              {**reader.head_params(reader.SPEC_DEFAULTS, {}, 0, "k", 0, 2), "lloyd_max": levels.numpy()})
+    assert bits16(stored["p_norm"].numpy().ravel()) == bits16(mine["p_norm"].ravel()) == bits16(norm)
+    assert torch.equal(stored["codes"], torch.from_numpy(mine["codes"]))
 
 
 @pytest.mark.parametrize("row", golden("Sparse ties"))
