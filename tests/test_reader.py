@@ -236,9 +236,42 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
                     stored = {k: _np(t) for k, t in cache._frames[layer][g][kind][h].items()}
                     v = reader.predictive_states(stored, tensors, layer, kind, h, prev if prev_frame == g - 1 else None)
                     np.testing.assert_array_equal(v, _np(states[g][h]))
-                    np.testing.assert_allclose(reader.predictive_values(v, tensors, layer, kind, h),
-                                               _np(cache._chains[(layer, kind)][h].values(states[g][h])), atol=1e-6)
+                    mine = reader.predictive_values(v, tensors, layer, kind, h).astype(np.float64)
+                    theirs = _np(cache._chains[(layer, kind)][h].values(states[g][h])).astype(np.float64)
+                    assert (np.abs(mine - theirs) <= reader.predictive_values_bound(v, tensors, layer, kind, h)).all()
                     prev_frame, prev = g, v
+
+
+def test_predictive_values_differ_by_order_within_the_absolute_bound():
+    """x̂'s product is summed in the runtime's order: far apart in ulps near 0, never beyond the
+    bound of FORMAT.md (torch, numpy, the halving tree and left to right, on fitted roles)."""
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import ordered
+    from calibrate.quant import predictive as P
+    from test_runtime_predictive import predictive_recipe
+
+    recipe = predictive_recipe()
+    tensors = {k: t.numpy() for k, t in recipe.tensors.items()}
+    g = torch.Generator().manual_seed(0)
+    worst_ulps = 0
+    for layer in range(recipe.model.num_layers):
+        for kind in "kv":
+            for h in range(recipe.model.num_kv_heads):
+                p = head_params(recipe.layer_tensors(layer, kind), h)
+                v = (torch.randn(2, 64, p.unit_D.numel(), generator=g) * p.limit_D / 4).round().long()
+                v = torch.minimum(torch.maximum(v, -p.limit_D), p.limit_D)
+                uv = p.unit_D * v.float()
+                left = torch.zeros(uv.shape)
+                for d in range(uv.shape[-1]):
+                    left = left + uv[..., d : d + 1] * p.rotation_DD[:, d]
+                outs = [P.values(v, p), torch.from_numpy(reader.predictive_values(v.numpy(), tensors, layer, kind, h)),
+                        ordered.matmul(uv, p.rotation_DD.T.contiguous()) + p.mean_D, left + p.mean_D]
+                bound = reader.predictive_values_bound(v.numpy(), tensors, layer, kind, h)
+                for other in outs[1:]:
+                    assert (np.abs(outs[0].double().numpy() - other.double().numpy()) <= bound).all()
+                    ulps = (outs[0].view(torch.int32).long() - other.view(torch.int32).long()).abs().max().item()
+                    worst_ulps = max(worst_ulps, ulps)
+    assert worst_ulps > 100  # near 0 an absolute difference is many ulps: "1 ulp" would be false
 
 
 # ---- format 1.1: prq, turbo, turbo_prod, the Jensen correction -----------------------------------
