@@ -542,6 +542,69 @@ def _prq_assign(r, c):
     return np.argmin(d, axis=-1)
 
 
+def mt19937(seed, n):
+    """The first n 32-bit outputs of MT19937 seeded by init_genrand(seed) (as torch.Generator and
+    numpy's RandomState seed it): seed 0 gives 2357136044, 2546248239, 3071714933, 3626093760, ..."""
+    mt = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+    out, i = [], 624
+    for _ in range(n):
+        if i == 624:
+            for k in range(624):
+                y = (mt[k] & 0x80000000) | (mt[(k + 1) % 624] & 0x7FFFFFFF)
+                mt[k] = mt[(k + 397) % 624] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0)
+            i = 0
+        y = mt[i]
+        i += 1
+        y ^= y >> 11
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        out.append(y ^ (y >> 18))
+    return out
+
+
+def prq_start_indices(T, C):
+    """The tokens k-means starts from: i_k = w_k mod T, w the MT19937 outputs of seed 0 (may repeat)."""
+    return [w % T for w in mt19937(0, C)]
+
+
+def prq_kmeans(r, C, iters, tol=1e-4):
+    """The reference encoder's k-means on r [B, T, D] (float32): (assignments [B, T], centroids [B, C, D]).
+    The means' sums are in numpy's order (not pinned: FORMAT.md)."""
+    r = np.asarray(r, dtype=F32)
+    B, T, _ = r.shape
+    c = r[:, prq_start_indices(T, C)].copy()
+    prev = None
+    for _ in range(iters):
+        a = _prq_assign(r, c)
+        if prev is not None and F32(np.count_nonzero(a != prev)) / F32(B * T) < F32(tol):
+            break  # stop with the centroids the tokens were just assigned to
+        new = c.copy()
+        for b in range(B):
+            for k in range(C):
+                members = r[b, a[b] == k]
+                if len(members):  # an empty cluster keeps its centroid
+                    new[b, k] = members.sum(axis=0, dtype=F32) / F32(len(members))
+        prev, c = a, new
+    return a, c
+
+
+def prq_span_state(y, stages, C, iters):
+    """A span's state [B, S, C, D] (float16) fitted on one frame's y [B, T, D] (after steps 1-4):
+    per stage k-means on the residual, the centroids rounded to float16, then the residual less
+    each token's nearest stored centroid."""
+    r = np.asarray(y, dtype=F32)
+    out = []
+    for _ in range(stages):
+        _, c = prq_kmeans(r, C, iters)
+        c16 = c.astype(np.float16)
+        a = _prq_assign(r, c16.astype(F32))
+        r = r - np.take_along_axis(c16.astype(F32), a[..., None], axis=1)
+        out.append(c16)
+    return np.stack(out, axis=1)
+
+
 def encode_head(x, spec, p, span_state=None):
     """The stored form of one head of one frame, x [B, T, D]: the arrays `calibrate.codec.encode`
     returns (codes packed; float16 parameters; kind "prq" scales as E4M3 bit patterns, uint8).

@@ -301,6 +301,21 @@ def test_prq_decode_matches_codec(stages, C, block):
     np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-5, rtol=0)
 
 
+def test_prq_span_state_matches_codec():
+    """The reader's k-means (FORMAT.md "PRQ k-means") against the runtime's, on dyadic inputs whose
+    sums are exact in any order (the means' sum order is not pinned), ties and repeats included."""
+    from calibrate.quant import qvg
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(40):
+        B, T, D = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 30, (1,), generator=g)), 4
+        C, iters = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        y = torch.randint(-24, 25, (B, T, D), generator=g).float() / 8
+        want = qvg.fit_centroids(y, 1, C, iters)  # one stage: a second one's residuals are not dyadic
+        got = reader.prq_span_state(y.numpy(), 1, C, iters)
+        assert np.array_equal(got.view(np.uint16), want.numpy().view(np.uint16)), (B, T, C, iters)
+
+
 def test_turbo_decode_matches_codec(tmp_path):
     path = tmp_path / "turbo.safetensors"
     save_recipe(build_baseline("turbo2.5", INFO), path)

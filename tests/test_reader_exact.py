@@ -59,7 +59,7 @@ def bits16(a) -> list[int]:
 def test_every_golden_table_is_present():
     for heading, n in (("Uniform levels", 5), ("Fixed-order sums", 2), ("Clip rounding", 1), ("Constant groups", 6),
                        ("Square roots", 2), ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2),
-                       ("Predictive modes", 4), ("Window of one frame", 1)):
+                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1)):
         assert len(golden(heading)) == n, heading
 
 
@@ -191,6 +191,30 @@ def test_golden_16_bit_heads(row):
     cache.append(0, frame, frame, Rope(torch.zeros(1, 1, 2)))
     final = cache._frames[0][0]["v"][0]["fp16"]
     assert bits16(final.numpy().ravel()) == bits16(f16(row[4]))
+
+
+@pytest.mark.parametrize("row", golden("PRQ k-means"), ids=lambda r: f"T{r[0]}C{r[1]}it{r[2]}")
+def test_golden_prq_kmeans(row):
+    """The span state's start indices (MT19937, seed 0) and stopping rule, in the runtime and the reader."""
+    from calibrate.codec import fit_span_state, with_span_state
+    from calibrate.quant import qvg
+
+    T, C, iters = int(row[0]), int(row[1]), int(row[2])
+    y = torch.tensor([[[float(v), 0.0] for v in row[3].split()]])
+    start, cents, ids = [int(i) for i in row[4].split()], [float(v) for v in row[5].split()], [int(i) for i in row[6].split()]
+    assert qvg.init_indices(T, C).tolist() == reader.prq_start_indices(T, C) == start
+    assert reader.mt19937(0, 4) == [2357136044, 2546248239, 3071714933, 3626093760]
+    assert (np.random.RandomState(0).randint(0, 2**32, size=C, dtype=np.uint64) % T).tolist() == start
+    spec = TensorSpec(bits=2, kind="prq", prq_stages=1, prq_centroids=C, prq_kmeans_iters=iters)
+    state = fit_span_state(y, spec, HeadParams(bits=2))
+    mine = reader.prq_span_state(y.numpy(), 1, C, iters)
+    assert mine.dtype == np.float16 and bits16(mine) == bits16(state.numpy())
+    assert state[0, 0, :, 0].tolist() == cents and not state[0, 0, :, 1].any()
+    stored = encode(y, spec, with_span_state(HeadParams(bits=2), state))
+    d = {**reader.SPEC_DEFAULTS, "bits": 2, "kind": "prq", "prq_stages": 1, "prq_centroids": C}
+    theirs = reader.encode_head(y.numpy(), d, reader.head_params(d, {}, 0, "k", 0, 2), mine)
+    assert np.array_equal(stored["p_assign"].numpy(), theirs["p_assign"])
+    assert qvg.unpack_ids(stored["p_assign"][0, 0], C, T).tolist() == ids
 
 
 # ---- recipes exercising every role: the reader encodes alongside QuantizedKVCache ----------------
