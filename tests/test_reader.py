@@ -242,6 +242,39 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
                     prev_frame, prev = g, v
 
 
+def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(tmp_path):
+    """FORMAT.md "Keys before the rotary encoding": the recent copy holds fp16 of the pre-rotary
+    keys, and the frame leaving the window is coded from it (reference and fast runtime, reader)."""
+    from calibrate.fastcache import FastKVCache
+    from calibrate.runtime import QuantizedKVCache
+    from test_runtime_predictive import H, L, predictive_recipe, sequence
+
+    path = tmp_path / "pred.safetensors"
+    save_recipe(predictive_recipe(recent=1), path)
+    meta, tensors = reader.read_recipe(path)
+    ks, vs, ropes = sequence(3)
+    ref = QuantizedKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
+    fast = FastKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
+    v_prev = [None] * H
+    for f in range(3):
+        for cache in (ref, fast):
+            cache.append(0, ks[f], vs[f], ropes[f])
+        recent = ref._frames[0][f]["k"]
+        assert all(torch.equal(recent[h]["fp16"], ks[f][:, h].half()) for h in range(H))  # not ropes[f].apply(k)
+        store = fast.stores[0]
+        assert torch.equal(store.recent[:, :H, f % store.R], ks[f].half())
+        if f == 0:
+            continue
+        for h in range(H):  # frame f - 1 left the recent window: coded from its float16 pre-rotary copy
+            x = ks[f - 1][:, h].half().float().numpy()
+            inter, codes, v = reader.predictive_encode(x, tensors, 0, "k", h, v_prev[h])
+            mine = reader.predictive_store(inter, codes, tensors, 0, "k", h)
+            theirs = ref._frames[0][f - 1]["k"][h]
+            assert all(np.array_equal(mine[key], _np(theirs[key])) for key in ("modes", "codes"))
+            v_prev[h] = v
+    np.testing.assert_allclose(_np(ref.read(0)[0]), _np(fast.read(0)[0]), rtol=1e-5, atol=1e-5)  # both rotate
+
+
 def test_predictive_values_differ_by_order_within_the_absolute_bound():
     """x̂'s product is summed in the runtime's order: far apart in ulps near 0, never beyond the
     bound of FORMAT.md (torch, numpy, the halving tree and left to right, on fitted roles)."""
