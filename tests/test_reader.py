@@ -163,6 +163,17 @@ def test_codebook_decode_matches_codec(tmp_path):
             np.testing.assert_allclose(got, decode(stored, spec_plain, p, 16).numpy(), atol=1e-6, rtol=0)
 
 
+def test_the_roles_table_lists_every_role_the_loader_knows():
+    """FORMAT.md "Tensors": a reader written from the table alone must accept every role a valid
+    recipe can hold (the predictive roles were missing), with its dtype."""
+    from calibrate.recipe import INT_ROLES, KNOWN_ROLES
+
+    section = FORMAT_MD.read_text(encoding="utf-8").split("### Tensors\n", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", section, re.MULTILINE)}
+    assert set(rows) == set(KNOWN_ROLES)
+    assert {role for role, dtype in rows.items() if dtype.startswith("int64")} == set(INT_ROLES)
+
+
 # ---- unpacking: FORMAT.md's golden vectors --------------------------------------------------------
 def golden_vectors():
     section = FORMAT_MD.read_text(encoding="utf-8").split("### Golden vectors", 1)[1]
