@@ -326,6 +326,30 @@ def test_a_plan_over_its_budget_is_refused_at_load(tmp_path):
         QuantizedKVCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
 
 
+@pytest.mark.parametrize("policy,spec,message", [
+    ({"keyframe_interval": 4}, None, "key frames"),
+    ({"recent_frames": 5}, None, "recent_frames=5 exceeds plan.window=4"),
+    ({}, TensorSpec(bits=2, kind="prq", prq_stages=1, prq_centroids=2), "kind 'prq' with span state"),
+])
+def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy, spec, message, tmp_path):
+    """FORMAT.md "Memory plan": the file is valid (the writer, the loader and the numpy reader take
+    it); the runtime refuses its plan with one line naming the field when it builds the cache."""
+    import importlib.util
+
+    recipe = per_frame_recipe()
+    if spec is not None:
+        recipe = Recipe(INFO, uniform_scheme("toy-prq", L, spec, spec, TokenPolicy(sink_frames=1)), {})
+    recipe = Recipe(INFO, replace(recipe.scheme, policy=replace(recipe.scheme.policy, **policy)), {})
+    save_recipe(with_plan(recipe, window=4, sink_frames=1, host_frames=8), tmp_path / "p.safetensors")
+    loaded = load_recipe(tmp_path / "p.safetensors", model=INFO)
+    module = importlib.util.spec_from_file_location("kv_recipe_reader_tiers", REPO / "recipes" / "reader.py")
+    reader = importlib.util.module_from_spec(module)
+    module.loader.exec_module(reader)
+    assert reader.plan_of(reader.read_recipe(tmp_path / "p.safetensors")[0])["host_frames"] == 8
+    with pytest.raises(ValueError, match=re.escape(message)):
+        QuantizedKVCache.from_recipe(loaded)
+
+
 def test_recall_by_pose_needs_a_pose():
     cache = QuantizedKVCache.from_recipe(with_plan(predictive_recipe(pre_rotary=False), window=2, recall_slots=1,
                                                    host_frames=4))
