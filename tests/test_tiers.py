@@ -105,6 +105,18 @@ def test_nearest_picks_exactly_the_nearest_poses_newest_first_on_ties():
     assert d[1, 1].item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_pose_distance_is_the_correctly_rounded_root():
+    """FORMAT.md: float64 with IEEE's sqrt (torch's CPU float64 sqrt is 1 ulp off on ~1% of inputs)."""
+    g = torch.Generator().manual_seed(0)
+    poses, query = torch.randn(2000, 2, 3, generator=g) * 10, torch.randn(2, 3, generator=g)
+    d = pose_distance(poses, query, 0.7)
+    p, q = poses.double(), query.double()
+    dyaw = p[..., 2] - q[..., 2]
+    dyaw = dyaw - 2 * math.pi * ((dyaw + math.pi) / (2 * math.pi)).floor()
+    sq = (p[..., 0] - q[..., 0]).square() + (p[..., 1] - q[..., 1]).square() + (0.7 * dyaw).square()
+    assert d.dtype == torch.float64 and d.flatten().tolist() == [math.sqrt(v) for v in sq.flatten().tolist()]
+
+
 def test_recall_places_the_nearest_host_frames_in_the_slots():
     """Hand-made poses: frame f of row 0 stands at x = f, of row 1 at x = -f; the query asks for
     x = 2.2 (row 0) and x = -5.9 (row 1): the slots must hold frames {2, 3} and {6, 5}."""
