@@ -22,7 +22,10 @@ stored bytes and decoded floats, reproduced from the document alone. Per head of
     stored = encode_head(x_BTD, spec, p)                        # == calibrate.codec.encode
     x_hat = decode_head(stored, spec, p, head_dim)              # == calibrate.codec.decode
 
-(kind "prq" with stages also takes the span's centroids, `span_state`). `plan_of(metadata)` gives
+(kind "prq" with stages also takes the span's centroids, `span_state`: `prq_span_state` fits them as
+the reference encoder does). Predictive tensors: `predictive_encode` (modes, codes, states of a
+frame), `predictive_store` / `predictive_anchor` (their stored bytes), `predictive_states` and
+`predictive_values` (decoding; values within `predictive_values_bound` of any runtime's). `plan_of(metadata)` gives
 the memory plan, if any (window, sinks, host tier, recall by pose). Sums go through
 `tree_sum` (the halving tree), never `@`. `tests/test_reader_exact.py` runs recipes that use
 every role through the runtime and this reader side by side and compares every byte.
@@ -202,12 +205,12 @@ def predictive_values(v, tensors, layer, kind, head):
 
 
 def predictive_values_bound(v, tensors, layer, kind, head):
-    """How far two runtimes' x̂ may lie apart, per element (FORMAT.md): 4 D 2^-24 (sum_d |unit_d v_d
-    R[j, d]| + |mean_j|), in float64. Absolute: near 0 it is many ulps of x̂."""
+    """How far two runtimes' x̂ may lie apart, per element (FORMAT.md): 4 (D + 2) 2^-24 (sum_d |unit_d
+    v_d R[j, d]| + |mean_j|), in float64. Absolute: near 0 it is many ulps of x̂."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float64)
     R = t("rotation")
     mag = np.abs(t("unit") * np.asarray(v, dtype=np.float64)) @ np.abs(R).T + np.abs(t("mean"))
-    return 4 * R.shape[-1] * 2.0**-24 * mag
+    return 4 * (R.shape[-1] + 2) * 2.0**-24 * mag
 
 
 def pack_fields(values, widths):
