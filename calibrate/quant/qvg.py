@@ -127,8 +127,10 @@ def kmeans(x_BND: Tensor, num_centroids: int, max_iters: int, init_idx_C: Tensor
     """The package's batched k-means: (ids [B, N] int64, centroids [B, C, D] float32).
 
     The convergence test pools the rows, like the package's batch: the share of changed ids over
-    all B x N tokens. Because the returned centroids of a converged row are a fixed point of the
-    update, pooling gives the same result as testing each row on its own.
+    all B x N tokens (float32, against float32(tol)). Up to 10^4 tokens only an unchanged
+    assignment stops, and the centroids of a row whose ids repeat are a fixed point of the update,
+    so each row gets its own result; beyond, a row can stop while a few of its ids still change
+    (its centroids then depend on the rows batched with it).
     """
     if max_iters < 1:
         raise ValueError(f"k-means needs max_iters >= 1, got {max_iters}")
