@@ -35,7 +35,7 @@ Where this differs from the package (numerically; stated again in `schemes.py`):
   tie rule (the package returns k-means' last ids, which equal the nearest ones once
   converged), so every frame of a span is coded the same way;
 - the init indices are drawn from a fixed seed and shared by the batch rows (the package
-  draws per row from the global RNG), so a trajectory's codes do not depend on its batch;
+  draws per row from the global RNG), so where a trajectory's k-means starts does not depend on its batch;
 - the FP8 scale is clamped to [2^-9, 448] before rounding, as the package's simulated path
   does: its real path rounds a block max below ~2^-10 to scale 0 and divides by it (NaN);
 - codes are packed in the project's bit order (recipes/FORMAT.md), not the package's
