@@ -261,9 +261,9 @@ def _span_centroids(p: HeadParams) -> Tensor:
 
 
 def _fp16_norm(y: Tensor) -> Tensor:
-    """|y| per token [..., 1] (sqrt of a fixed-order sum of squares), stored as float16 (kept >= its
-    smallest subnormal so u = y / n is finite)."""
-    return ordered.sum_squares(y).sqrt().clamp(FP_EPS, 65504.0).to(FP)
+    """|y| per token [..., 1] (correctly rounded sqrt of a fixed-order sum of squares), stored as
+    float16 (kept >= its smallest subnormal so u = y / n is finite)."""
+    return ordered.sqrt(ordered.sum_squares(y)).clamp(FP_EPS, 65504.0).to(FP)
 
 
 def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
@@ -285,7 +285,7 @@ def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
     u = y / norm.float()
     idx = steps.nearest(u)
     r = u - steps.levels(idx)
-    gamma = ordered.sum_squares(r).sqrt().clamp(max=65504.0).to(FP)
+    gamma = ordered.sqrt(ordered.sum_squares(r)).clamp(max=65504.0).to(FP)
     return idx + (steps.signs(r) << (p.bits - 1)), {"norm": norm, "gamma": gamma}
 
 

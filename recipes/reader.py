@@ -22,7 +22,10 @@ stored bytes and decoded floats, reproduced from the document alone. Per head of
     stored = encode_head(x_BTD, spec, p)                        # == calibrate.codec.encode
     x_hat = decode_head(stored, spec, p, head_dim)              # == calibrate.codec.decode
 
-(kind "prq" with stages also takes the span's centroids, `span_state`). `plan_of(metadata)` gives
+(kind "prq" with stages also takes the span's centroids, `span_state`: `prq_span_state` fits them as
+the reference encoder does). Predictive tensors: `predictive_encode` (modes, codes, states of a
+frame), `predictive_store` / `predictive_anchor` (their stored bytes), `predictive_states` and
+`predictive_values` (decoding; values within `predictive_values_bound` of any runtime's). `plan_of(metadata)` gives
 the memory plan, if any (window, sinks, host tier, recall by pose). Sums go through
 `tree_sum` (the halving tree), never `@`. `tests/test_reader_exact.py` runs recipes that use
 every role through the runtime and this reader side by side and compares every byte.
@@ -195,9 +198,74 @@ def predictive_states(stored, tensors, layer, kind, head, v_prev=None):
 
 
 def predictive_values(v, tensors, layer, kind, head):
-    """x̂ = (unit * v) @ R^T + mean, float32 (keys: before the rotary encoding if `rotary_coords`)."""
+    """x̂ = (unit * v) @ R^T + mean, float32 (keys: before the rotary encoding if `rotary_coords`).
+    The product's sum order is not pinned: runtimes agree within `predictive_values_bound`."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float32)
     return (t("unit") * np.asarray(v, dtype=np.float32)) @ t("rotation").T + t("mean")
+
+
+def predictive_values_bound(v, tensors, layer, kind, head):
+    """How far two runtimes' x̂ may lie apart, per element (FORMAT.md): 4 (D + 2) 2^-24 (sum_d |unit_d
+    v_d R[j, d]| + |mean_j|), in float64. Absolute: near 0 it is many ulps of x̂."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float64)
+    R = t("rotation")
+    mag = np.abs(t("unit") * np.asarray(v, dtype=np.float64)) @ np.abs(R).T + np.abs(t("mean"))
+    return 4 * (R.shape[-1] + 2) * 2.0**-24 * mag
+
+
+def pack_fields(values, widths):
+    """int [..., n] -> uint8 [..., ceil(sum(widths)/8)]: mixed-width fields, LSB-first bit stream."""
+    values, widths = np.asarray(values, dtype=np.int64), [int(w) for w in widths]
+    bits = [(values[..., i : i + 1] >> np.arange(w)) & 1 for i, w in enumerate(widths) if w]
+    stream = np.concatenate(bits, axis=-1) if bits else np.zeros((*values.shape[:-1], 0), dtype=np.int64)
+    stream = np.concatenate([stream, np.zeros((*stream.shape[:-1], -stream.shape[-1] % 8), dtype=np.int64)], axis=-1)
+    return np.packbits(stream.astype(np.uint8), axis=-1, bitorder="little")
+
+
+def predictive_encode(x, tensors, layer, kind, head, v_prev=None):
+    """(inter [B, T] bool, codes [B, T, D] int64, states [B, T, D] int64) of one frame of one head
+    (FORMAT.md "Encoding"), x [B, T, D] float32 as the frame is coded (keys before the rotary
+    encoding if `rotary_coords`); `v_prev` the previous frame's states, or None: every token intra.
+
+    float32 throughout; the two products and the mode's two sums are not pinned (numpy's order
+    here), so a code or mode may differ from another runtime's only at a near-tie (FORMAT.md)."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    unit, mean, R = (np.asarray(t(r), dtype=F32) for r in ("unit", "mean", "rotation"))
+    b, s_i, s_p, a = t("channel_bits"), t("intra_step"), t("inter_step"), t("anchor_bits")
+    n = (1 << b) - 1
+    V = np.where(a > 0, (1 << np.maximum(a - 1, 0)) - 1, 0)
+    tau = ((np.asarray(x, dtype=F32) - mean) @ R) / unit
+
+    def code(target, step, lo, hi):
+        return np.clip(np.rint((target / step.astype(F32) + n.astype(F32)) / F32(2)), lo, hi).astype(np.int64)
+
+    c_i = code(tau, s_i, 0, n)
+    v_i = s_i * (2 * c_i - n)
+    if v_prev is None:
+        return np.zeros(tau.shape[:-1], dtype=bool), c_i, v_i
+    v_prev = np.asarray(v_prev, dtype=np.int64)
+    lo = np.maximum(0, -((v_prev + V - n * s_p) // (2 * s_p)))  # ceil((n s - V - v') / 2s)
+    hi = np.minimum(n, (n * s_p + V - v_prev) // (2 * s_p))
+    c_p = code(tau - v_prev.astype(F32), s_p, lo, hi)
+    v_p = v_prev + s_p * (2 * c_p - n)
+    w = unit * unit
+    err_i = (np.square(tau - v_i.astype(F32)) * w).sum(-1, dtype=F32)
+    err_p = (np.square(tau - v_p.astype(F32)) * w).sum(-1, dtype=F32)
+    inter = err_p <= err_i  # ties: inter
+    return inter, np.where(inter[..., None], c_p, c_i), np.where(inter[..., None], v_p, v_i)
+
+
+def predictive_store(inter, codes, tensors, layer, kind, head):
+    """A delta frame's stored form {"modes", "codes"} (uint8) from `predictive_encode`'s modes and codes."""
+    bits = np.asarray(tensors[f"layers.{layer}.{kind}.channel_bits"][head])
+    return {"modes": pack_fields(np.asarray(inter, dtype=np.int64), [1] * np.shape(inter)[-1]),
+            "codes": pack_fields(codes, bits)}
+
+
+def predictive_anchor(v, tensors, layer, kind, head):
+    """An anchor's stored form {"anchor"}: fields v + 2^(a - 1) of widths `anchor_bits` (offset binary)."""
+    a = np.asarray(tensors[f"layers.{layer}.{kind}.anchor_bits"][head])
+    return {"anchor": pack_fields(np.asarray(v, dtype=np.int64) + np.where(a > 0, 1 << np.maximum(a - 1, 0), 0), a)}
 
 
 # ---- format 1.1 -----------------------------------------------------------------------------------
@@ -475,6 +543,69 @@ def _prq_assign(r, c):
     dot = tree_sum(r[:, :, None, :] * c[:, None, :, :])
     d = np.maximum(sum_squares(r) + np.swapaxes(sum_squares(c), 1, 2) - F32(2) * dot, F32(0))
     return np.argmin(d, axis=-1)
+
+
+def mt19937(seed, n):
+    """The first n 32-bit outputs of MT19937 seeded by init_genrand(seed) (as torch.Generator and
+    numpy's RandomState seed it): seed 0 gives 2357136044, 2546248239, 3071714933, 3626093760, ..."""
+    mt = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+    out, i = [], 624
+    for _ in range(n):
+        if i == 624:
+            for k in range(624):
+                y = (mt[k] & 0x80000000) | (mt[(k + 1) % 624] & 0x7FFFFFFF)
+                mt[k] = mt[(k + 397) % 624] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0)
+            i = 0
+        y = mt[i]
+        i += 1
+        y ^= y >> 11
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        out.append(y ^ (y >> 18))
+    return out
+
+
+def prq_start_indices(T, C):
+    """The tokens k-means starts from: i_k = w_k mod T, w the MT19937 outputs of seed 0 (may repeat)."""
+    return [w % T for w in mt19937(0, C)]
+
+
+def prq_kmeans(r, C, iters, tol=1e-4):
+    """The reference encoder's k-means on r [B, T, D] (float32): (assignments [B, T], centroids [B, C, D]).
+    The means' sums are in numpy's order (not pinned: FORMAT.md)."""
+    r = np.asarray(r, dtype=F32)
+    B, T, _ = r.shape
+    c = r[:, prq_start_indices(T, C)].copy()
+    prev = None
+    for _ in range(iters):
+        a = _prq_assign(r, c)
+        if prev is not None and F32(np.count_nonzero(a != prev)) / F32(B * T) < F32(tol):
+            break  # stop with the centroids the tokens were just assigned to
+        new = c.copy()
+        for b in range(B):
+            for k in range(C):
+                members = r[b, a[b] == k]
+                if len(members):  # an empty cluster keeps its centroid
+                    new[b, k] = members.sum(axis=0, dtype=F32) / F32(len(members))
+        prev, c = a, new
+    return a, c
+
+
+def prq_span_state(y, stages, C, iters):
+    """A span's state [B, S, C, D] (float16) fitted on one frame's y [B, T, D] (after steps 1-4):
+    per stage k-means on the residual, the centroids rounded to float16, then the residual less
+    each token's nearest stored centroid."""
+    r = np.asarray(y, dtype=F32)
+    out = []
+    for _ in range(stages):
+        _, c = prq_kmeans(r, C, iters)
+        c16 = c.astype(np.float16)
+        a = _prq_assign(r, c16.astype(F32))
+        r = r - np.take_along_axis(c16.astype(F32), a[..., None], axis=1)
+        out.append(c16)
+    return np.stack(out, axis=1)
 
 
 def encode_head(x, spec, p, span_state=None):

@@ -163,6 +163,17 @@ def test_codebook_decode_matches_codec(tmp_path):
             np.testing.assert_allclose(got, decode(stored, spec_plain, p, 16).numpy(), atol=1e-6, rtol=0)
 
 
+def test_the_roles_table_lists_every_role_the_loader_knows():
+    """FORMAT.md "Tensors": a reader written from the table alone must accept every role a valid
+    recipe can hold (the predictive roles were missing), with its dtype."""
+    from calibrate.recipe import INT_ROLES, KNOWN_ROLES
+
+    section = FORMAT_MD.read_text(encoding="utf-8").split("### Tensors\n", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", section, re.MULTILINE)}
+    assert set(rows) == set(KNOWN_ROLES)
+    assert {role for role, dtype in rows.items() if dtype.startswith("int64")} == set(INT_ROLES)
+
+
 # ---- unpacking: FORMAT.md's golden vectors --------------------------------------------------------
 def golden_vectors():
     section = FORMAT_MD.read_text(encoding="utf-8").split("### Golden vectors", 1)[1]
@@ -236,9 +247,75 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
                     stored = {k: _np(t) for k, t in cache._frames[layer][g][kind][h].items()}
                     v = reader.predictive_states(stored, tensors, layer, kind, h, prev if prev_frame == g - 1 else None)
                     np.testing.assert_array_equal(v, _np(states[g][h]))
-                    np.testing.assert_allclose(reader.predictive_values(v, tensors, layer, kind, h),
-                                               _np(cache._chains[(layer, kind)][h].values(states[g][h])), atol=1e-6)
+                    mine = reader.predictive_values(v, tensors, layer, kind, h).astype(np.float64)
+                    theirs = _np(cache._chains[(layer, kind)][h].values(states[g][h])).astype(np.float64)
+                    assert (np.abs(mine - theirs) <= reader.predictive_values_bound(v, tensors, layer, kind, h)).all()
                     prev_frame, prev = g, v
+
+
+def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(tmp_path):
+    """FORMAT.md "Keys before the rotary encoding": the recent copy holds fp16 of the pre-rotary
+    keys, and the frame leaving the window is coded from it (reference and fast runtime, reader)."""
+    from calibrate.fastcache import FastKVCache
+    from calibrate.runtime import QuantizedKVCache
+    from test_runtime_predictive import H, L, predictive_recipe, sequence
+
+    path = tmp_path / "pred.safetensors"
+    save_recipe(predictive_recipe(recent=1), path)
+    meta, tensors = reader.read_recipe(path)
+    ks, vs, ropes = sequence(3)
+    ref = QuantizedKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
+    fast = FastKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
+    v_prev = [None] * H
+    for f in range(3):
+        for cache in (ref, fast):
+            cache.append(0, ks[f], vs[f], ropes[f])
+        recent = ref._frames[0][f]["k"]
+        assert all(torch.equal(recent[h]["fp16"], ks[f][:, h].half()) for h in range(H))  # not ropes[f].apply(k)
+        store = fast.stores[0]
+        assert torch.equal(store.recent[:, :H, f % store.R], ks[f].half())
+        if f == 0:
+            continue
+        for h in range(H):  # frame f - 1 left the recent window: coded from its float16 pre-rotary copy
+            x = ks[f - 1][:, h].half().float().numpy()
+            inter, codes, v = reader.predictive_encode(x, tensors, 0, "k", h, v_prev[h])
+            mine = reader.predictive_store(inter, codes, tensors, 0, "k", h)
+            theirs = ref._frames[0][f - 1]["k"][h]
+            assert all(np.array_equal(mine[key], _np(theirs[key])) for key in ("modes", "codes"))
+            v_prev[h] = v
+    np.testing.assert_allclose(_np(ref.read(0)[0]), _np(fast.read(0)[0]), rtol=1e-5, atol=1e-5)  # both rotate
+
+
+def test_predictive_values_differ_by_order_within_the_absolute_bound():
+    """x̂'s product is summed in the runtime's order: far apart in ulps near 0, never beyond the
+    bound of FORMAT.md (torch, numpy, the halving tree and left to right, on fitted roles)."""
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import ordered
+    from calibrate.quant import predictive as P
+    from test_runtime_predictive import predictive_recipe
+
+    recipe = predictive_recipe()
+    tensors = {k: t.numpy() for k, t in recipe.tensors.items()}
+    g = torch.Generator().manual_seed(0)
+    worst_ulps = 0
+    for layer in range(recipe.model.num_layers):
+        for kind in "kv":
+            for h in range(recipe.model.num_kv_heads):
+                p = head_params(recipe.layer_tensors(layer, kind), h)
+                v = (torch.randn(2, 64, p.unit_D.numel(), generator=g) * p.limit_D / 4).round().long()
+                v = torch.minimum(torch.maximum(v, -p.limit_D), p.limit_D)
+                uv = p.unit_D * v.float()
+                left = torch.zeros(uv.shape)
+                for d in range(uv.shape[-1]):
+                    left = left + uv[..., d : d + 1] * p.rotation_DD[:, d]
+                outs = [P.values(v, p), torch.from_numpy(reader.predictive_values(v.numpy(), tensors, layer, kind, h)),
+                        ordered.matmul(uv, p.rotation_DD.T.contiguous()) + p.mean_D, left + p.mean_D]
+                bound = reader.predictive_values_bound(v.numpy(), tensors, layer, kind, h)
+                for other in outs[1:]:
+                    assert (np.abs(outs[0].double().numpy() - other.double().numpy()) <= bound).all()
+                    ulps = (outs[0].view(torch.int32).long() - other.view(torch.int32).long()).abs().max().item()
+                    worst_ulps = max(worst_ulps, ulps)
+    assert worst_ulps > 100  # near 0 an absolute difference is many ulps: "1 ulp" would be false
 
 
 # ---- format 1.1: prq, turbo, turbo_prod, the Jensen correction -----------------------------------
@@ -266,6 +343,21 @@ def test_prq_decode_matches_codec(stages, C, block):
                                 None if not stages else p.span_centroids_BSCD.numpy(),
                                 _np(stored["p_assign"]) if "p_assign" in stored else None, C)
     np.testing.assert_allclose(got, decode(stored, spec, p, 16).numpy(), atol=1e-5, rtol=0)
+
+
+def test_prq_span_state_matches_codec():
+    """The reader's k-means (FORMAT.md "PRQ k-means") against the runtime's, on dyadic inputs whose
+    sums are exact in any order (the means' sum order is not pinned), ties and repeats included."""
+    from calibrate.quant import qvg
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(40):
+        B, T, D = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 30, (1,), generator=g)), 4
+        C, iters = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        y = torch.randint(-24, 25, (B, T, D), generator=g).float() / 8
+        want = qvg.fit_centroids(y, 1, C, iters)  # one stage: a second one's residuals are not dyadic
+        got = reader.prq_span_state(y.numpy(), 1, C, iters)
+        assert np.array_equal(got.view(np.uint16), want.numpy().view(np.uint16)), (B, T, C, iters)
 
 
 def test_turbo_decode_matches_codec(tmp_path):

@@ -58,7 +58,8 @@ def bits16(a) -> list[int]:
 
 def test_every_golden_table_is_present():
     for heading, n in (("Uniform levels", 5), ("Fixed-order sums", 2), ("Clip rounding", 1), ("Constant groups", 6),
-                       ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2)):
+                       ("Square roots", 2), ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2),
+                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1)):
         assert len(golden(heading)) == n, heading
 
 
@@ -128,6 +129,22 @@ def test_golden_constant_groups(row):
         assert np.isfinite(dec).all()
 
 
+@pytest.mark.parametrize("row", golden("Square roots"), ids=lambda r: r[3])
+def test_golden_square_roots(row):
+    """The turbo norm is the correctly rounded root (not torch's float32 CPU sqrt, MKL's)."""
+    y, total, root, norm = f32(row[0]), f32(row[1]), f32(row[2]), f16(row[3])
+    assert bits32([ordered.sum_squares(torch.from_numpy(y)).item()]) == bits32(total)
+    assert bits32([ordered.sqrt(torch.from_numpy(total)).item()]) == bits32(root)
+    assert bits32(np.sqrt(total)) == bits32(root)  # numpy's float32 sqrt is IEEE's
+    levels = torch.tensor([-0.75, -0.25, 0.25, 0.75])
+    spec = TensorSpec(bits=2, kind="turbo")
+    stored = encode(torch.from_numpy(y.copy()).reshape(1, 1, -1), spec, HeadParams(bits=2, lloyd_max_L=levels))
+    mine = reader.encode_head(y.reshape(1, 1, -1), {**reader.SPEC_DEFAULTS, "bits": 2, "kind": "turbo"},
+                              {**reader.head_params(reader.SPEC_DEFAULTS, {}, 0, "k", 0, 2), "lloyd_max": levels.numpy()})
+    assert bits16(stored["p_norm"].numpy().ravel()) == bits16(mine["p_norm"].ravel()) == bits16(norm)
+    assert torch.equal(stored["codes"], torch.from_numpy(mine["codes"]))
+
+
 @pytest.mark.parametrize("row", golden("Sparse ties"))
 def test_golden_sparse_ties(row):
     T, D = map(int, row[0].split("x"))
@@ -174,6 +191,30 @@ def test_golden_16_bit_heads(row):
     cache.append(0, frame, frame, Rope(torch.zeros(1, 1, 2)))
     final = cache._frames[0][0]["v"][0]["fp16"]
     assert bits16(final.numpy().ravel()) == bits16(f16(row[4]))
+
+
+@pytest.mark.parametrize("row", golden("PRQ k-means"), ids=lambda r: f"T{r[0]}C{r[1]}it{r[2]}")
+def test_golden_prq_kmeans(row):
+    """The span state's start indices (MT19937, seed 0) and stopping rule, in the runtime and the reader."""
+    from calibrate.codec import fit_span_state, with_span_state
+    from calibrate.quant import qvg
+
+    T, C, iters = int(row[0]), int(row[1]), int(row[2])
+    y = torch.tensor([[[float(v), 0.0] for v in row[3].split()]])
+    start, cents, ids = [int(i) for i in row[4].split()], [float(v) for v in row[5].split()], [int(i) for i in row[6].split()]
+    assert qvg.init_indices(T, C).tolist() == reader.prq_start_indices(T, C) == start
+    assert reader.mt19937(0, 4) == [2357136044, 2546248239, 3071714933, 3626093760]
+    assert (np.random.RandomState(0).randint(0, 2**32, size=C, dtype=np.uint64) % T).tolist() == start
+    spec = TensorSpec(bits=2, kind="prq", prq_stages=1, prq_centroids=C, prq_kmeans_iters=iters)
+    state = fit_span_state(y, spec, HeadParams(bits=2))
+    mine = reader.prq_span_state(y.numpy(), 1, C, iters)
+    assert mine.dtype == np.float16 and bits16(mine) == bits16(state.numpy())
+    assert state[0, 0, :, 0].tolist() == cents and not state[0, 0, :, 1].any()
+    stored = encode(y, spec, with_span_state(HeadParams(bits=2), state))
+    d = {**reader.SPEC_DEFAULTS, "bits": 2, "kind": "prq", "prq_stages": 1, "prq_centroids": C}
+    theirs = reader.encode_head(y.numpy(), d, reader.head_params(d, {}, 0, "k", 0, 2), mine)
+    assert np.array_equal(stored["p_assign"].numpy(), theirs["p_assign"])
+    assert qvg.unpack_ids(stored["p_assign"][0, 0], C, T).tolist() == ids
 
 
 # ---- recipes exercising every role: the reader encodes alongside QuantizedKVCache ----------------
@@ -367,3 +408,94 @@ def test_reader_logit_correction_agrees_with_the_runtime():
             np.testing.assert_allclose(-bias[:, h, :, key].numpy(), c, rtol=1e-5, atol=1e-7)
             checked += 1
     assert checked
+
+
+# ---- predictive golden vectors (FORMAT.md "Predictive golden vectors") ---------------------------
+def _golden_predictive_roles() -> dict[str, torch.Tensor]:
+    return {"rotation": torch.eye(2)[None], "mean": torch.zeros(1, 2), "unit": torch.tensor([[0.5, 0.25]]),
+            "channel_bits": torch.tensor([[2, 1]]), "intra_step": torch.tensor([[1, 1]]),
+            "inter_step": torch.tensor([[1, 1]]), "anchor_bits": torch.tensor([[3, 2]])}
+
+
+def _ints(cell: str) -> list[int]:
+    return [int(v) for v in cell.split()]
+
+
+def _floats(cell: str) -> torch.Tensor:
+    return torch.tensor([[[float(v) for v in cell.split()]]])
+
+
+@pytest.mark.parametrize("row", golden("Predictive modes"), ids=lambda r: f"{r[0]}|{r[1]}")
+def test_golden_predictive_modes(row):
+    """The mode choice (ties: inter) and the anchor clamp, in both runtimes' encoders and the reader."""
+    from types import SimpleNamespace
+
+    from calibrate.fast_chain import ChainStore
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import predictive as P
+
+    roles = _golden_predictive_roles()
+    p = head_params(roles, 0)
+    x, v_prev = _floats(row[0]), torch.tensor([[_ints(row[1])]])
+    tau = P.to_units(x, p)
+    (c_i, v_i), (c_p, v_p) = P.intra(tau, p), P.inter(tau, v_prev, p)
+    assert [c_i.flatten().tolist(), v_i.flatten().tolist(), c_p.flatten().tolist(), v_p.flatten().tolist()] == \
+        [_ints(row[2]), _ints(row[3]), _ints(row[4]), _ints(row[5])]
+    w = p.unit_D * p.unit_D
+    assert ((tau - v_i.float()).pow(2) * w).sum(-1).item() == float(row[6])
+    assert ((tau - v_p.float()).pow(2) * w).sum(-1).item() == float(row[7])
+    want = ([row[8] == "inter"], _ints(row[9]), _ints(row[10]))
+    inter, codes, v = P.encode(x, p, v_prev)  # the reference runtime's encoder (chain.ChainCodec)
+    assert (inter.flatten().tolist(), codes.flatten().tolist(), v.flatten().tolist()) == want
+    store = ChainStore(roles, roles, False, True, SimpleNamespace(recent_frames=0), 1, 0, 1, "cpu")  # the fast runtime's
+    inter, codes, v = store.encode(x[:, None].expand(1, 2, 1, 2), v_prev[:, None].expand(1, 2, 1, 2))
+    for g in range(2):
+        assert (inter[:, g].flatten().tolist(), codes[:, g].flatten().tolist(), v[:, g].flatten().tolist()) == want
+    tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}
+    inter, codes, v = reader.predictive_encode(x.numpy(), tensors, 0, "v", 0, v_prev.numpy())
+    assert (inter.flatten().tolist(), codes.flatten().tolist(), v.flatten().tolist()) == want
+    stored = reader.predictive_store(inter, codes, tensors, 0, "v", 0)
+    assert reader.predictive_states(stored, tensors, 0, "v", 0, v_prev.numpy()).flatten().tolist() == want[2]
+
+
+def _golden_predictive_recipe() -> Recipe:
+    roles = _golden_predictive_roles()
+    spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[3], anchor_token_bits=[5])
+    info = ModelInfo(name="toy", num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_frame=1, fingerprint="toy")
+    tensors = {f"layers.0.{kind}.{r}": t.clone() for kind in "kv" for r, t in roles.items()}
+    return Recipe(info, Scheme("golden", [LayerSpec(k=spec, v=spec)], TokenPolicy(sink_frames=0)), tensors)
+
+
+@pytest.mark.parametrize("row", golden("Window of one frame"))
+def test_golden_window_of_one_frame(row, tmp_path):
+    """'Held' is judged before the step's eviction: frame 1 is coded against frame 0, which the
+    same step evicts, and held as an anchor of those states (both runtimes, and the reader)."""
+    from calibrate.fastcache import FastKVCache
+
+    window = int(row[0])
+    x0, x1 = _floats(row[1]), _floats(row[2])
+    path = tmp_path / "golden.safetensors"
+    save_recipe(_golden_predictive_recipe(), path)
+    meta, tensors = reader.read_recipe(path)
+    rope = Rope(torch.zeros(1, 1, 1))
+    ref = QuantizedKVCache.from_recipe(load_recipe(path), window=window, sink_frames=0)
+    fast = FastKVCache.from_recipe(load_recipe(path), window=window, sink_frames=0)
+    for x in (x0, x1):
+        for cache in (ref, fast):
+            cache.append(0, x[:, None], x[:, None], rope)
+    assert ref.frame_indices(0) == fast.frame_indices(0) == [1]
+    for kind in "kv":
+        stored = ref._frames[0][1][kind][0]
+        assert set(stored) == {"anchor"} and stored["anchor"].flatten().tolist() == list(bytes.fromhex(row[6]))
+    for read in (ref.read(0), fast.read(0)):
+        for got in read:
+            assert got.flatten().tolist() == [float(v) for v in row[7].split()]
+    # the reader, from the spec: frame 0 all intra, frame 1 against frame 0's states, then an anchor
+    _, _, v0 = reader.predictive_encode(x0.numpy(), tensors, 0, "k", 0)
+    inter, _, v1 = reader.predictive_encode(x1.numpy(), tensors, 0, "k", 0, v0)
+    assert v0.flatten().tolist() == _ints(row[3]) and v1.flatten().tolist() == _ints(row[5])
+    assert inter.flatten().tolist() == [row[4] == "inter"]
+    anchor = reader.predictive_anchor(v1, tensors, 0, "k", 0)
+    assert anchor["anchor"].flatten().tolist() == list(bytes.fromhex(row[6]))
+    assert reader.predictive_states(anchor, tensors, 0, "k", 0).flatten().tolist() == _ints(row[5])
+    assert reader.predictive_values(v1, tensors, 0, "k", 0).flatten().tolist() == [float(v) for v in row[7].split()]

@@ -160,6 +160,30 @@ def test_a_predictive_recipe_refuses_another_window_than_it_was_fitted_for():
         QuantizedKVCache.from_recipe(recipe, window=8, sink_frames=1)
 
 
+@pytest.mark.parametrize("memory", [None, {}, {"window": 16}, {"sink_frames": 1}, {"bits_per_element": 2.5}])
+def test_a_predictive_recipe_without_a_fitted_window_runs_under_any_window(memory):
+    """FORMAT.md: without `memory` (or without its window or sink count) nothing is checked, and
+    the codes stay valid under any window (states within the anchor range), in both runtimes."""
+    from calibrate.fastcache import FastKVCache
+
+    recipe = predictive_recipe()
+    recipe.metadata.pop("memory", None)
+    if memory is not None:
+        recipe.metadata["memory"] = json.dumps(memory)
+    ks, vs, ropes = sequence(6)
+    for window, sink in ((1, 0), (2, 1), (16, 1), (40, 3)):
+        for make in (QuantizedKVCache.from_recipe, FastKVCache.from_recipe):
+            cache = make(recipe, window=window, sink_frames=sink)
+            for f in range(6):
+                cache.append(0, ks[f], vs[f], ropes[f])
+            assert cache.frame_indices(0) == kept_frames(6, window, sink)
+            if isinstance(cache, QuantizedKVCache):
+                for kind in "kv":
+                    limits = [head_params(recipe.layer_tensors(0, kind), h).limit_D for h in range(H)]
+                    for states in cache._chain_states(0, kind).values():
+                        assert all((v.abs() <= lim).all() for v, lim in zip(states, limits))
+
+
 def test_a_delta_frame_whose_reference_was_evicted_is_one_clear_error():
     recipe = predictive_recipe()
     ks, vs, ropes = sequence(8)

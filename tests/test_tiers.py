@@ -105,6 +105,18 @@ def test_nearest_picks_exactly_the_nearest_poses_newest_first_on_ties():
     assert d[1, 1].item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_pose_distance_is_the_correctly_rounded_root():
+    """FORMAT.md: float64 with IEEE's sqrt (torch's CPU float64 sqrt is 1 ulp off on ~1% of inputs)."""
+    g = torch.Generator().manual_seed(0)
+    poses, query = torch.randn(2000, 2, 3, generator=g) * 10, torch.randn(2, 3, generator=g)
+    d = pose_distance(poses, query, 0.7)
+    p, q = poses.double(), query.double()
+    dyaw = p[..., 2] - q[..., 2]
+    dyaw = dyaw - 2 * math.pi * ((dyaw + math.pi) / (2 * math.pi)).floor()
+    sq = (p[..., 0] - q[..., 0]).square() + (p[..., 1] - q[..., 1]).square() + (0.7 * dyaw).square()
+    assert d.dtype == torch.float64 and d.flatten().tolist() == [math.sqrt(v) for v in sq.flatten().tolist()]
+
+
 def test_recall_places_the_nearest_host_frames_in_the_slots():
     """Hand-made poses: frame f of row 0 stands at x = f, of row 1 at x = -f; the query asks for
     x = 2.2 (row 0) and x = -5.9 (row 1): the slots must hold frames {2, 3} and {6, 5}."""
@@ -324,6 +336,30 @@ def test_a_plan_over_its_budget_is_refused_at_load(tmp_path):
     save_recipe(tight, tmp_path / "tight.safetensors")  # the format is fine; the budget is the runtime's check
     with pytest.raises(ValueError, match=f"needs {need} bytes .* above its device_budget_bytes={need - 1}"):
         QuantizedKVCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
+
+
+@pytest.mark.parametrize("policy,spec,message", [
+    ({"keyframe_interval": 4}, None, "key frames"),
+    ({"recent_frames": 5}, None, "recent_frames=5 exceeds plan.window=4"),
+    ({}, TensorSpec(bits=2, kind="prq", prq_stages=1, prq_centroids=2), "kind 'prq' with span state"),
+])
+def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy, spec, message, tmp_path):
+    """FORMAT.md "Memory plan": the file is valid (the writer, the loader and the numpy reader take
+    it); the runtime refuses its plan with one line naming the field when it builds the cache."""
+    import importlib.util
+
+    recipe = per_frame_recipe()
+    if spec is not None:
+        recipe = Recipe(INFO, uniform_scheme("toy-prq", L, spec, spec, TokenPolicy(sink_frames=1)), {})
+    recipe = Recipe(INFO, replace(recipe.scheme, policy=replace(recipe.scheme.policy, **policy)), {})
+    save_recipe(with_plan(recipe, window=4, sink_frames=1, host_frames=8), tmp_path / "p.safetensors")
+    loaded = load_recipe(tmp_path / "p.safetensors", model=INFO)
+    module = importlib.util.spec_from_file_location("kv_recipe_reader_tiers", REPO / "recipes" / "reader.py")
+    reader = importlib.util.module_from_spec(module)
+    module.loader.exec_module(reader)
+    assert reader.plan_of(reader.read_recipe(tmp_path / "p.safetensors")[0])["host_frames"] == 8
+    with pytest.raises(ValueError, match=re.escape(message)):
+        QuantizedKVCache.from_recipe(loaded)
 
 
 def test_recall_by_pose_needs_a_pose():

@@ -35,7 +35,7 @@ Where this differs from the package (numerically; stated again in `schemes.py`):
   tie rule (the package returns k-means' last ids, which equal the nearest ones once
   converged), so every frame of a span is coded the same way;
 - the init indices are drawn from a fixed seed and shared by the batch rows (the package
-  draws per row from the global RNG), so a trajectory's codes do not depend on its batch;
+  draws per row from the global RNG), so where a trajectory's k-means starts does not depend on its batch;
 - the FP8 scale is clamped to [2^-9, 448] before rounding, as the package's simulated path
   does: its real path rounds a block max below ~2^-10 to scale 0 and divides by it (NaN);
 - codes are packed in the project's bit order (recipes/FORMAT.md), not the package's
@@ -127,8 +127,10 @@ def kmeans(x_BND: Tensor, num_centroids: int, max_iters: int, init_idx_C: Tensor
     """The package's batched k-means: (ids [B, N] int64, centroids [B, C, D] float32).
 
     The convergence test pools the rows, like the package's batch: the share of changed ids over
-    all B x N tokens. Because the returned centroids of a converged row are a fixed point of the
-    update, pooling gives the same result as testing each row on its own.
+    all B x N tokens (float32, against float32(tol)). Up to 10^4 tokens only an unchanged
+    assignment stops, and the centroids of a row whose ids repeat are a fixed point of the update,
+    so each row gets its own result; beyond, a row can stop while a few of its ids still change
+    (its centroids then depend on the rows batched with it).
     """
     if max_iters < 1:
         raise ValueError(f"k-means needs max_iters >= 1, got {max_iters}")
