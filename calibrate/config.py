@@ -10,7 +10,7 @@ Fields with a fixed set of values are plain strings checked against a tuple besi
 (`TASKS`, `MODELS`, `SPLITS`, ...): OmegaConf's structured configs accept no `Literal`, and an
 `Enum` would change the resolved config that runs write and recipes record.
 
-Models own their settings (`WanSettings`, `TrainConfig`); this module only names them.
+Models own their settings (`WanSettings`, `TrainConfig`, `WanTrainConfig`); this module only names them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from calibrate.adapters.wan_diffusers import WanSettings
 from calibrate.fastcache import RUNTIMES
 from calibrate.types import ALL_FAMILIES, FAMILIES
+from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.world.train_config import TrainConfig
 
 # the top-level conf/ of a source checkout, else the copy a regular install places in the package
@@ -34,7 +35,9 @@ _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONF_DIR = _SOURCE_CONF if (_SOURCE_CONF / "config.yaml").exists() else Path(__file__).resolve().parent / "conf"
 
 TASKS = ("calibrate", "stats", "evaluate", "compare", "check", "train_world", "capacity")
-MODELS = ("tinyworld", "wan_diffusers")
+MODELS = ("tinyworld", "wan_diffusers", "wanworld")
+WAN_MODELS = ("wan_diffusers", "wanworld")  # rolled out by adapters/wan_diffusers.py (model.wan)
+TRAINABLE = ("tinyworld", "wanworld")  # task=train_world
 DEVICES = "auto, cpu or cuda[:N]"
 SPLITS = ("auto", "train", "calibration", "evaluation")
 ROTATIONS = ("none", "hadamard", "learned")
@@ -78,9 +81,9 @@ class CacheConfig:
 @dataclass
 class ModelConfig:
     name: str = "tinyworld"  # one of MODELS
-    weights: str | None = None  # tinyworld: weights file (None = shipped); wan_diffusers: diffusers model dir or checkpoint file (None = tiny random)
+    weights: str | None = None  # tinyworld, wanworld: weights file (None = shipped); wan_diffusers: diffusers model dir or checkpoint file (None = tiny random)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers (adapters/wan_diffusers.py)
+    wan: WanSettings = field(default_factory=WanSettings)  # model=wan_diffusers or wanworld (adapters/wan_diffusers.py)
 
     def check(self) -> None:
         if self.name not in MODELS:
@@ -340,6 +343,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    train_wan: WanTrainConfig = field(default_factory=WanTrainConfig)  # task=train_world model=wanworld
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
@@ -373,6 +377,7 @@ def validate(cfg: Config) -> None:
     cfg.fit.check()
     cfg.eval.check()
     cfg.train.check()
+    cfg.train_wan.check()
     cfg.memory.check()
     cfg.capacity.check()
     if cfg.task == "capacity":
@@ -384,8 +389,8 @@ def validate(cfg: Config) -> None:
     if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
         raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
                          "use eval.runtime=auto with memory.device_budget")
-    if cfg.task == "train_world" and cfg.model.name != "tinyworld":
-        raise ValueError(f"config: task=train_world trains TinyWorld only, not model={cfg.model.name}")
+    if cfg.task == "train_world" and cfg.model.name not in TRAINABLE:
+        raise ValueError(f"config: task=train_world trains model=tinyworld or model=wanworld, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:
         raise ValueError(f"config: task={cfg.task} needs recipe=PATH")
     if cfg.task == "compare" and not cfg.schemes:
@@ -395,7 +400,7 @@ def validate(cfg: Config) -> None:
 def frames_per_step(cfg: Config) -> int:
     """Frames the model generates per step (one cache frame): Wan's chunk of latent frames, else 1.
     A trajectory's length must be a multiple of it."""
-    return cfg.model.wan.chunk_frames if cfg.model.name == "wan_diffusers" else 1
+    return cfg.model.wan.chunk_frames if cfg.model.name in WAN_MODELS else 1
 
 
 def check_chunking(cfg: Config) -> None:

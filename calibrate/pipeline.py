@@ -70,7 +70,11 @@ def load_adapter(cfg: ModelConfig, device: torch.device) -> WorldAdapter:
         from calibrate.adapters import wan_diffusers
 
         return wan_diffusers.load(cfg.weights, cfg.wan, device)
-    raise AdapterError(f"config: unknown model '{cfg.name}' (available: tinyworld, wan_diffusers)")
+    if cfg.name == "wanworld":
+        from calibrate.wanworld.weights import load_adapter as load_wanworld
+
+        return load_wanworld(cfg.weights, cfg.wan, device)
+    raise AdapterError(f"config: unknown model '{cfg.name}' (available: tinyworld, wan_diffusers, wanworld)")
 
 
 def trajectory_set(cfg: Config, split: str | None = None) -> list[Trajectory]:
@@ -374,7 +378,16 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
 
 # ---- task=train_world ----------------------------------------------------------------------------
 def run_train_world(cfg: Config, out_dir: Path) -> dict:
-    """Train TinyWorld into `out_dir` (resumes from its checkpoint when one is there)."""
+    """Train TinyWorld (or WanWorld, model=wanworld) into `out_dir` (resumes from its checkpoint when one is there)."""
+    if cfg.model.name == "wanworld":
+        from calibrate.wanworld.train import sampler, train as train_wan
+        from calibrate.wanworld.weights import save_weights as save_wan
+
+        model = train_wan(cfg.train_wan, out_dir, resume=True)
+        path = out_dir / "wanworld.safetensors"
+        save_wan(model, path, sampler(cfg.train_wan, model), {"train_config": asdict(cfg.train_wan)})
+        print(f"weights: {path} (copy to artifacts/models/wanworld.safetensors to ship them)")
+        return {"weights": str(path)}
     from calibrate.world.train import train
     from calibrate.world.weights import save_weights
 

@@ -190,7 +190,7 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
      "fit.closed_loop_frames=18"),
     (["fit.trace_bytes=12 parsecs"], "fit.trace_bytes"),
     (["model.wan.dtype=float8"], "model.wan.dtype"),
-    (["task=train_world"], "trains TinyWorld only"),
+    (["task=train_world"], "trains model=tinyworld or model=wanworld"),
 ])
 def test_cli_bad_wan_input_is_one_line(tmp_path, args, message):
     """Refused from the config alone, before the model loads or anything runs: nothing is written."""

@@ -27,6 +27,15 @@ file with `text_embedding` [L, text_dim] (e.g. UMT5 output computed once offline
 none is given, a seeded random one. The first chunk is generated from noise alone (no image
 conditioning). Frames are latents; `preview` shows their first three channels.
 
+A Wan trained as a world model of a renderer (WanWorld, calibrate/wanworld/) passes a
+`WorldInputs` instead of the text embedding: per chunk, its cross-attention tokens come from
+the chunk's camera (`context`: the same `encoder_hidden_states` input, filled per chunk); the
+rollout starts from the true first chunk, written to the cache by a clean pass as an
+image-conditioned model's given frame; its frames are latents the transformer reads normalized
+(`normalize` / `denormalize`, as pipelines normalize VAE latents), and each generated chunk is
+denormalized, clamped to the frames' range and normalized again before its clean pass caches
+it; the true frames and an RGB preview come from it.
+
 Weights: `model.weights` is a diffusers model directory (`config.json` and
 `diffusion_pytorch_model*.safetensors`, e.g. the `transformer/` folder of
 Wan-AI/Wan2.1-T2V-1.3B-Diffusers), or one checkpoint file as Self-Forcing, CausVid and LongLive
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -117,6 +126,11 @@ def rope_angles(head_dim: int, frames: range, height: int, width: int, theta: fl
     return torch.cat((at, ah, aw), dim=-1).reshape(f * h * w, -1)
 
 
+def shifted_sigmas(timesteps: list[int], shift: float) -> list[float]:
+    """The sampler's noise levels: timestep t of 1000 shifted as sigma = shift*s / (1 + (shift-1)*s), s = t/1000."""
+    return [shift * (t / 1000) / (1 + (shift - 1) * (t / 1000)) for t in timesteps]
+
+
 # ---- the cache hook ----------------------------------------------------------------------------
 @dataclass
 class ChunkState:
@@ -151,9 +165,41 @@ class CachedSelfAttention:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+# ---- a world model's inputs ---------------------------------------------------------------------
+class WorldInputs(Protocol):
+    """What makes a Wan a world model of a renderer (WanWorld's: calibrate/wanworld/model.py)."""
+
+    weights: torch.nn.Module  # every learned weight of the world model, transformer included (the fingerprint)
+    bounds: tuple[float, float]  # generated frames are clamped to this range before they are cached
+
+    def normalize(self, frames: Tensor) -> Tensor:
+        """Frames (what the rollout returns) -> the transformer's latents (as pipelines normalize VAE latents)."""
+        ...
+
+    def denormalize(self, x: Tensor) -> Tensor:
+        """The transformer's latents -> frames (the inverse of `normalize`)."""
+        ...
+
+    def context(self, trajs: list[Trajectory], device: torch.device) -> Tensor:
+        """Per chunk cross-attention tokens, [B, num_chunks, L, text_dim] (in place of the text embedding)."""
+        ...
+
+    def ground_truth(self, trajs: list[Trajectory], device: torch.device, num_frames: int | None = None) -> Tensor:
+        """True latent frames [B, N, C, H, W] (the first `num_frames` only, when given)."""
+        ...
+
+    def preview(self, frames: Tensor) -> Tensor:
+        """Latent frames [..., C, H, W] as RGB [..., 3, H', W'] in [0, 1]."""
+        ...
+
+
 # ---- the adapter -----------------------------------------------------------------------------
 class WanAdapter:
-    def __init__(self, transformer, cfg: WanSettings, text_embedding: Tensor, name: str = "wan_diffusers"):
+    def __init__(self, transformer, cfg: WanSettings, text_embedding: Tensor | None, name: str = "wan_diffusers",
+                 world: WorldInputs | None = None):
+        """A text-conditioned Wan (`text_embedding` [L, text_dim]) or a world model (`world`), not both."""
+        if (text_embedding is None) == (world is None):
+            raise AdapterError("WanAdapter takes a text embedding or world inputs, exactly one of them")
         self.transformer = transformer.eval()
         self.cfg = cfg
         c = transformer.config
@@ -163,19 +209,20 @@ class WanAdapter:
         if cfg.latent_height % self.patch[1] or cfg.latent_width % self.patch[2]:
             raise AdapterError(f"config: model.wan latent {cfg.latent_height}x{cfg.latent_width} is not divisible "
                                f"by the patch size {self.patch[1]}x{self.patch[2]}")
-        if text_embedding.ndim != 2 or text_embedding.shape[1] != c.text_dim:
+        if text_embedding is not None and (text_embedding.ndim != 2 or text_embedding.shape[1] != c.text_dim):
             raise AdapterError(f"model.wan.text_embedding: expected [L, {c.text_dim}], got {list(text_embedding.shape)}")
         self.grid = (cfg.latent_height // self.patch[1], cfg.latent_width // self.patch[2])
         self.channels = c.in_channels
         self.head_dim = c.attention_head_dim
         self.dtype = transformer.dtype
         self.text = text_embedding
+        self.world = world
         self.state = ChunkState()
         transformer.set_attn_processor(self._processors())
         self.info = ModelInfo(name=name, num_layers=c.num_layers, num_kv_heads=c.num_attention_heads,
                               head_dim=c.attention_head_dim,
                               tokens_per_frame=cfg.chunk_frames * self.grid[0] * self.grid[1],
-                              fingerprint=weights_fingerprint(transformer))
+                              fingerprint=weights_fingerprint(world.weights if world is not None else transformer))
 
     def _processors(self) -> dict:
         """Our processor on every `attn1`, diffusers' own on the rest (cross-attention)."""
@@ -187,15 +234,19 @@ class WanAdapter:
 
     # ---- one pass of one chunk -------------------------------------------------------------
     def forward_chunk(self, cache: KVCache, latents_BCFHW: Tensor, first_frame: int, timestep: float,
-                      commit: bool) -> Tensor:
-        """The transformer on one chunk at absolute latent frames first_frame.. : flow prediction."""
+                      commit: bool, context_BLD: Tensor | None = None) -> Tensor:
+        """The transformer on one chunk at absolute latent frames first_frame.. : flow prediction.
+
+        `context_BLD` is the chunk's `encoder_hidden_states` (a world model's camera tokens); None =
+        the text embedding."""
         B, _, F = latents_BCFHW.shape[:3]
         self.state.cache, self.state.commit = cache, commit
         self.state.rope = self.rope(torch.full((B, 1), float(first_frame), device=latents_BCFHW.device), F)
         try:
             t = torch.full((B,), float(timestep), device=latents_BCFHW.device)
-            text = self.text.to(latents_BCFHW.device, self.dtype).expand(B, -1, -1)
-            return self.transformer(latents_BCFHW.to(self.dtype), t, text, return_dict=False)[0]
+            if context_BLD is None:
+                context_BLD = self.text.to(latents_BCFHW.device).expand(B, -1, -1)
+            return self.transformer(latents_BCFHW.to(self.dtype), t, context_BLD.to(self.dtype), return_dict=False)[0]
         finally:
             self.state.cache, self.state.rope = None, None
 
@@ -208,45 +259,71 @@ class WanAdapter:
                     at=lambda coords: self.rope(coords, num_frames))
 
     def sigmas(self) -> list[float]:
-        s = self.cfg.shift
-        return [s * (t / 1000) / (1 + (s - 1) * (t / 1000)) for t in self.cfg.denoise_timesteps]
+        return shifted_sigmas(self.cfg.denoise_timesteps, self.cfg.shift)
 
     # ---- the adapter API -------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, trajs: list[Trajectory], cache: KVCache, device: torch.device, truth: Tensor | None = None,
-                keep_frames: bool = True, progress: Callable[[int], None] | None = None) -> Tensor:
+                keep_frames: bool = True, progress: Callable[[int], None] | None = None,
+                teacher_forced: bool = False) -> Tensor:
         """Generate every latent frame of `trajs`, chunk by chunk: [B, N, C, H, W].
 
         The noise of trajectory b comes from a generator seeded with its seed, so a rollout is
-        a function of (weights, trajectory) whatever the batch. Poses and actions are not used
-        (diffusers' Wan is text-conditioned).
+        a function of (weights, trajectory) whatever the batch. A text-conditioned Wan ignores
+        poses and actions and generates every chunk; a world model (`world`) is conditioned on
+        them per chunk and starts from the true first chunk (from `truth` when given), which the
+        returned frames include. `teacher_forced` (world models): after generating chunk c the
+        cache receives the *true* chunk c, so every chunk is a one-step prediction from true
+        history (the frames returned are still the generated ones).
         """
         n, cf = trajs[0].num_frames, self.cfg.chunk_frames
         if n % cf:
             raise AdapterError(f"model.wan.chunk_frames={cf} does not divide the trajectory length {n}")
+        if teacher_forced and self.world is None:
+            raise AdapterError("a teacher-forced rollout needs true frames: a world model's (WanWorld)")
         gens = [torch.Generator().manual_seed(t.seed) for t in trajs]
         shape = (self.channels, cf, self.cfg.latent_height, self.cfg.latent_width)
         noise = lambda: torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device, torch.float32)
         sigmas = self.sigmas()
-        chunks = []
-        for c in range(n // cf):
+        context: list[Tensor | None] = [None] * (n // cf)
+        chunks, start = [], 0
+        if self.world is not None:
+            context = list(self.world.context(trajs, device).unbind(1))
+            if truth is None:
+                truth = self.world.ground_truth(trajs, device, None if teacher_forced else cf)
+            given = truth[:, :cf].to(device, torch.float32)  # [B, F, C, H, W]
+            self.forward_chunk(cache, self.world.normalize(given).transpose(1, 2), 0, 0.0, commit=True,
+                               context_BLD=context[0])
+            chunks.append(given)
+            start = 1
+            if progress is not None:
+                progress(cf)
+        for c in range(start, n // cf):
             x = noise()
             for i, sigma in enumerate(sigmas):
-                flow = self.forward_chunk(cache, x, c * cf, sigma * 1000, commit=False).float()
+                flow = self.forward_chunk(cache, x, c * cf, sigma * 1000, commit=False, context_BLD=context[c]).float()
                 x0 = x - sigma * flow
                 x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * noise() if i + 1 < len(sigmas) else x0
-            self.forward_chunk(cache, x0, c * cf, 0.0, commit=True)  # the clean pass writes the cache
-            frames = x0.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W]
+            frames = x0.transpose(1, 2)  # [B, F, C, H, W]
+            cached = x0
+            if self.world is not None:
+                frames = self.world.denormalize(frames).clamp(*self.world.bounds)
+                given = truth[:, c * cf : (c + 1) * cf].to(device, torch.float32) if teacher_forced else frames
+                cached = self.world.normalize(given).transpose(1, 2)
+            self.forward_chunk(cache, cached, c * cf, 0.0, commit=True, context_BLD=context[c])  # the clean pass writes the cache
             chunks = chunks + [frames] if keep_frames else [frames[:, -1:]]
             if progress is not None:
                 progress(cf)
         return torch.cat(chunks, dim=1)
 
-    def ground_truth(self, trajs: list[Trajectory], device: torch.device) -> None:
-        return None
+    def ground_truth(self, trajs: list[Trajectory], device: torch.device) -> Tensor | None:
+        """A world model's true latent frames; None for a text-conditioned Wan (no renderer)."""
+        return None if self.world is None else self.world.ground_truth(trajs, device)
 
     def preview(self, frames: Tensor) -> Tensor:
-        """First three latent channels, [-2, 2] mapped to [0, 1]."""
+        """A world model's RGB decoding; else the first three latent channels, [-2, 2] mapped to [0, 1]."""
+        if self.world is not None:
+            return self.world.preview(frames)
         return ((frames[..., :3, :, :].float() + 2) / 4).clamp(0, 1)
 
 
