@@ -370,7 +370,7 @@ def markdown(results: dict) -> str:
     out_of = [f"{p} at {s}" for (s, p), e in worst.items() if abs(e) > 0.25]
     lines += ["", f"Largest error {max(abs(e) for e in worst.values()):.0%}; beyond 25%: "
                   f"{', '.join(out_of) or 'none'}. Units timed on this CPU per size (`throughput`: "
-                  f"{'re-timed ' + results['units_retimed'] + ' with `--units`' if 'units_retimed' in results else 'right before its run'}); the fixed part "
+                  f"{results.get('units_note', 'right before its run')}); the fixed part "
                   f"of a model pass ({pred['per_pass_s'] * 1e3:.0f} ms) fitted on the smallest size.", "",
               "## Peak RSS per phase", "", "| tokens | " + " | ".join(PHASES) + " |", "|---:|" + "---:|" * len(PHASES)]
     for size, m in results["sizes"].items():
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                             results["frames"])
             results["sizes"][size]["throughput"] = tp.__dict__
             print(size, tp, flush=True)
-        results["units_retimed"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        results["units_note"] = f"re-timed {datetime.now(timezone.utc).isoformat(timespec='seconds')} with `--units`"
         write_text_atomic(args.out / "scale.json", json.dumps(results, indent=2) + "\n")
         args.report = True
     if args.report:  # the report again from scale.json (the cost model changes, the measurements do not)
