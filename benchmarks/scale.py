@@ -209,14 +209,9 @@ def throughput(tokens: int, slots: int, frames: int) -> cm.Throughput:
                       4.0 * 12 * 128 * tokens * 4 * tokens)
     info = ModelInfo("bench", 1, 12, 128, tokens, "-")
     frame = lambda: (torch.randn(1, 12, tokens, 128, generator=g),) * 3 + (Rope(torch.rand(1, tokens, 64, generator=g)),)
-    caches = {}
-    for name, make in (("plain", lambda: KVCache(1, WINDOW, SINKS)),
-                       ("recording", lambda: RecordingCache(1, WINDOW, SINKS, Recorder.create(info, 4096)))):
-        cache = make()
-        for _ in range(WINDOW + SINKS):
-            cache.attend(0, *frame())
-        args = frame()
-        caches[name] = 1.0 / _rate(lambda: cache.attend(0, *args))
+    caches = {"plain": attend_s(KVCache(1, WINDOW, SINKS), frame, WINDOW + SINKS),
+              "recording": attend_s(RecordingCache(1, WINDOW, SINKS, Recorder.create(info, 4096)), frame,
+                                    WINDOW + SINKS)}
     quantized = quantized_attend_s(info, frame)
     from calibrate.fit.objective import LayerTrace, attention_outputs
 
@@ -248,11 +243,21 @@ def quantized_attend_s(info, frame) -> float:
         q, k, v, rope = frame()
         moments.add(0, "k", rope.apply(k))
         moments.add(0, "v", v)
-    cache = FastKVCache.from_recipe(predictive_recipe(info, moments, 2.5), WINDOW, SINKS)
-    for _ in range(WINDOW + SINKS + 1):
+    return attend_s(FastKVCache.from_recipe(predictive_recipe(info, moments, 2.5), WINDOW, SINKS), frame,
+                    WINDOW + SINKS + 1)
+
+
+def attend_s(cache, frame, warm: int) -> float:
+    """Seconds of one attend of layer 0 once `warm` frames filled the cache: `frame()` gives inputs."""
+    for _ in range(warm):
         cache.attend(0, *frame())
     args = frame()
     return 1.0 / _rate(lambda: cache.attend(0, *args))
+
+
+def units_at(size: int, frames: int) -> cm.Throughput:
+    """`throughput` at a size, the trace's slots as the default fit keeps them."""
+    return throughput(size, min(size, cm.Run(frames=1, window=1, sinks=0, passes=1).trace_tokens), frames)
 
 
 def fit_per_pass(m: cm.Model, run: cm.Run, tp: cm.Throughput, measured: dict) -> float:
@@ -411,8 +416,7 @@ def main(argv: list[str] | None = None) -> None:
 
         results = json.loads((args.out / "scale.json").read_text())
         for size in results["sizes"]:
-            tp = throughput(int(size), min(int(size), cm.Run(frames=1, window=1, sinks=0, passes=1).trace_tokens),
-                            results["frames"])
+            tp = units_at(int(size), results["frames"])
             results["sizes"][size]["throughput"] = tp.__dict__
             print(size, tp, flush=True)
         results["units_note"] = f"re-timed {datetime.now(timezone.utc).isoformat(timespec='seconds')} with `--units`"
@@ -437,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
                "torch": torch.__version__, "frames": args.frames, "sizes": {}}
     for size in sizes:
         print(f"size {size}: timing this CPU's units", flush=True)
-        tp = throughput(size, min(size, cm.Run(frames=1, window=1, sinks=0, passes=1).trace_tokens), args.frames)
+        tp = units_at(size, args.frames)
         print(f"size {size}: running", flush=True)
         measured = run_size(size, args.frames, weights, work)
         measured["throughput"] = tp.__dict__
