@@ -457,7 +457,9 @@ def frame_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int) -> int:
 # A span is `prq_span_frames` consecutive frames (span of frame f = f // prq_span_frames). The first
 # frame of a span the runtime encodes below 16 bits fits the state on its own values (y after steps
 # 1-4); the span's later frames are coded against it; the runtime holds it while a kept frame of
-# the span is held below 16 bits (memory.span_state_bytes counts it).
+# the span is held below 16 bits (memory.span_state_bytes counts it). With `prq_deferred` the
+# span's frames are held in float16 (`span_pending`) until its last frame is appended; the state is
+# then fitted on the tokens of all its held frames to be coded, in frame order, and each is coded.
 def span_of(spec: TensorSpec, index: int) -> int | None:
     """The span of frame `index`, or None when the spec's kind keeps no span state."""
     if spec.kind == "prq" and spec.prq_stages > 0:
@@ -465,8 +467,15 @@ def span_of(spec: TensorSpec, index: int) -> int | None:
     return None
 
 
+def span_pending(spec: TensorSpec, index: int, num_appended: int) -> bool:
+    """Frame `index` is held in float16 after `num_appended` appends: its spec defers its span
+    (`prq_deferred`) and the span's last frame has not been appended yet."""
+    return spec.prq_deferred and (index // spec.prq_span_frames + 1) * spec.prq_span_frames > num_appended
+
+
 def fit_span_state(x_BTD: Tensor, spec: TensorSpec, p: HeadParams) -> Tensor:
-    """The span's centroids [B, stages, C, D] (float16), fitted on one frame x (quant/qvg.py)."""
+    """The span's centroids [B, stages, C, D] (float16), fitted on the tokens x (one frame, or a
+    deferred span's frames concatenated; quant/qvg.py)."""
     y, _ = _prepare(x_BTD, spec, p)
     return qvg.fit_centroids(y, spec.prq_stages, spec.prq_centroids, spec.prq_kmeans_iters)
 

@@ -47,6 +47,8 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
         return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
+    if spec.prq_deferred:
+        return "kind 'prq' with deferred spans (prq_deferred)"
     if span_of(spec, 0) is not None and any(
             count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
                                                     (policy.recent_frames, policy.recent_bits),

@@ -13,7 +13,8 @@ spec's bits for the head. Which frames are held at all is the cache's window and
 (`cache.kept_frames`).
 
 Span state (kind "prq", codec.span_of): a head holds one state per span that has a kept frame
-held below 16 bits (`span_state_bytes`), on top of the frames' own bytes.
+held below 16 bits (`span_state_bytes`), on top of the frames' own bytes. A deferred span's
+frames are held at 16 bits until the span is complete (`codec.span_pending`).
 
 Steady state: a budget or a bytes-per-frame figure is taken `STEADY_STATE_MARGIN` frames after
 the window first fills, where every class of the policy is present and the window slides.
@@ -25,7 +26,7 @@ import math
 
 from calibrate import chain
 from calibrate.cache import kept_frames
-from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
+from calibrate.codec import frame_nbytes, span_of, span_pending, span_state_nbytes
 from calibrate.recipe import ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 
 KINDS = ("k", "v")
@@ -93,10 +94,13 @@ def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int
 
 
 def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_appended: int) -> int:
-    """Bits frame `index` of one head is held at after `num_appended` appends (recent window or
-    its final class): the rule `predicted_cache_bytes` applies to every kept frame."""
+    """Bits frame `index` of one head is held at after `num_appended` appends (recent window, a
+    deferred span not yet complete, or its final class): the rule `predicted_cache_bytes` applies
+    to every kept frame."""
     if policy.recent_frames and index >= num_appended - policy.recent_frames:
         return policy.recent_bits
+    if span_pending(spec, index, num_appended):
+        return 16
     return final_bits(policy, spec, head, index)
 
 
@@ -146,10 +150,17 @@ def bits_per_element(model: ModelInfo, scheme: Scheme, window: int, sink_frames:
     states (kind "prq") vary with the phase of the spans likewise: the largest over the least
     common multiple of the interval and every span length.
     """
+    return max(phase_bits(model, scheme, window, sink_frames))
+
+
+def phase_bits(model: ModelInfo, scheme: Scheme, window: int, sink_frames: int) -> list[float]:
+    """Bits per cached element at each phase of the steady state (`steady_phases` appends from
+    `steady_state_frames`): their largest is `bits_per_element`, their mean what a long rollout
+    holds on average."""
     n0 = steady_state_frames(window, sink_frames)
     fp16 = fp16_cache_bytes(model, n0, window, sink_frames)
-    return max(16.0 * predicted_cache_bytes(model, scheme, n, window, sink_frames) / fp16
-               for n in range(n0, n0 + steady_phases(scheme)))
+    return [16.0 * predicted_cache_bytes(model, scheme, n, window, sink_frames) / fp16
+            for n in range(n0, n0 + steady_phases(scheme))]
 
 
 def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:

@@ -36,7 +36,9 @@ misreads):
     kind "prq"      Quant VideoGen: `prq_stages` k-means stages of `prq_centroids` centroids,
                     fitted at run time on the first frame of each span of `prq_span_frames`
                     frames (`prq_kmeans_iters` iterations) and shared by the span; then a
-                    symmetric b-bit residual with an FP8 scale per token and group (quant/qvg.py)
+                    symmetric b-bit residual with an FP8 scale per token and group (quant/qvg.py);
+                    `prq_deferred` true: the span's frames are held in float16 until its last
+                    frame arrives, then fitted on all of them and coded (the package's schedule)
     kind "turbo"    TurboQuant MSE: L2 norm per token, Lloyd-Max levels (role `lloyd_max`)
     kind "turbo_prod"  TurboQuant inner product: b-1 bit "turbo" codes + 1-bit QJL sketch of the
                     residual (role `qjl` [H, D, D]) (quant/turbo.py)
@@ -113,6 +115,7 @@ class TensorSpec:
     prq_centroids: int = 0
     prq_span_frames: int = 1
     prq_kmeans_iters: int = 2
+    prq_deferred: bool = False  # prq: hold a span in float16 until complete, fit on all its frames
     jensen: bool = False
 
     def bits_of(self, head: int) -> int:
@@ -120,7 +123,8 @@ class TensorSpec:
 
 
 V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "temporal": True,
-                 "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "jensen": False}
+                 "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False,
+                 "jensen": False}
 
 
 @dataclass
@@ -214,7 +218,7 @@ def _spec(d: dict, where: str) -> TensorSpec:
     return s
 
 
-_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2}
+_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False}
 
 
 def _check_v11_fields(s: TensorSpec, where: str) -> None:
@@ -237,6 +241,8 @@ def _check_v11_fields(s: TensorSpec, where: str) -> None:
             raise RecipeError(f"{where}.prq_span_frames: {s.prq_span_frames} must be >= 1")
         if s.prq_kmeans_iters < 1:
             raise RecipeError(f"{where}.prq_kmeans_iters: {s.prq_kmeans_iters} must be >= 1")
+        if s.prq_deferred and not s.prq_stages:
+            raise RecipeError(f"{where}.prq_deferred: needs prq_stages >= 1 (a span state to defer)")
     if s.kind in TURBO_KINDS:
         if s.head_bits is not None or s.bits >= 16:
             raise RecipeError(f"{where}: kind {s.kind!r} needs one width below 16 for every head (bits < 16, no head_bits)")
@@ -497,6 +503,9 @@ def _validate_v11(recipe: Recipe, i: int, kind: str, spec: TensorSpec, where: st
         raise RecipeError(f"{where}: {field}.jensen: the Jensen correction applies to keys only")
     if spec.jensen and f"layers.{i}.k.logit_bias" in recipe.tensors:
         raise RecipeError(f"{where}: {field}.jensen and tensor 'layers.{i}.k.logit_bias' both correct key noise; keep one")
+    if spec.prq_deferred and recipe.scheme.policy.recent_frames:
+        raise RecipeError(f"{where}: {field}.prq_deferred holds a span's frames in float16 until the span is complete; "
+                          "it takes no recent window (scheme.policy.recent_frames must be 0)")
     if spec.kind in TURBO_KINDS:
         p = recipe.scheme.policy
         for name, used in (("sink_bits", p.sink_frames > 0), ("recent_bits", p.recent_frames > 0),

@@ -140,6 +140,7 @@ SPEC_FIELDS = {
     "prq_centroids": Field("int", _between(0, 256)),
     "prq_span_frames": Field("int", _at_least(1)),
     "prq_kmeans_iters": Field("int", _at_least(1)),
+    "prq_deferred": Field("bool"),
     "jensen": Field("bool"),
 }
 

@@ -131,16 +131,23 @@ def batches(trajs: list[Trajectory], batch_size: int) -> list[list[Trajectory]]:
 
 def rollout_batch(world: WorldAdapter, trajs: list[Trajectory], cache: KVCache, device: torch.device,
                   truth: Tensor | None = None, desc: str | None = None,
-                  keep_frames: bool = True) -> tuple[Tensor, Tensor | None]:
+                  keep_frames: bool = True, on_frames=None) -> tuple[Tensor, Tensor | None]:
     """Free rollout of a batch through `cache`: (generated frames, true frames or None), [B, N, C, H, W].
 
     With `keep_frames=False` only the last generated frame is returned and no ground truth is
-    made, so memory does not grow with the rollout length (statistics replay).
+    made, so memory does not grow with the rollout length (statistics replay). `on_frames()` runs
+    each time the model has finished more frames (e.g. to measure the cache's bytes).
     """
     if truth is None and keep_frames:
         truth = world.ground_truth(trajs, device)
     bar = tqdm(total=trajs[0].num_frames, desc=desc, leave=False, disable=desc is None)
-    frames = world.rollout(trajs, cache, device, truth=truth, keep_frames=keep_frames, progress=bar.update)
+
+    def progress(n: int) -> None:
+        bar.update(n)
+        if on_frames is not None:
+            on_frames()
+
+    frames = world.rollout(trajs, cache, device, truth=truth, keep_frames=keep_frames, progress=progress)
     bar.close()
     return frames, truth
 

@@ -39,7 +39,9 @@ reading them re-applies `Rope.at(coords)`.
 
 Span state (kind "prq", codec.span_of): the first frame of a span encoded below 16 bits fits
 the span's centroids, which the span's later frames are coded against; the cache holds them
-(per layer, K/V and head) while a kept frame of the span is held below 16 bits.
+(per layer, K/V and head) while a kept frame of the span is held below 16 bits. A deferred span
+(`prq_deferred`, Quant VideoGen's own schedule) holds its frames in float16 until its last frame
+is appended, then fits the centroids on all of them and codes each (`_complete_span`).
 
 Jensen-bias correction (`jensen` on a layer's K spec, quant/jensen.py): the logits of every
 history key are lowered by sum_d (q R)_d^2 Delta_d^2 / (24 D), Delta the key's own grid steps
@@ -65,7 +67,7 @@ from torch import Tensor
 from calibrate import predictive_roles
 from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.chain import ChainCodec
-from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of,
+from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of, span_pending,
                              stored_nbytes, with_span_state)
 from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.jensen import jensen_bias
@@ -175,10 +177,30 @@ class QuantizedKVCache(KVCache):
         )
 
     def stored_bits(self, layer: int, kind: str, head: int, index: int) -> int:
-        """Bits frame `index` of one head is held at now (recent window or its final class)."""
-        if self._frames[layer][index]["bits"] == "recent":
+        """Bits frame `index` of one head is held at now (recent window, a deferred span not yet
+        complete, or its final class)."""
+        record = self._frames[layer][index]
+        if record["bits"] == "recent":
             return self.policy.recent_bits
+        if kind in record.get("pending", ()):
+            return 16
         return self.final_bits(layer, kind, head, index)
+
+    def _complete_span(self, layer: int, kind: str, span: int) -> None:
+        """A deferred span's last frame is in: fit each head's state on the tokens of the span's held
+        frames it codes below 16 bits (frame order), then code every pending frame of the span."""
+        spec, held = self.spec(layer, kind), self._frames[layer]
+        frames = [f for f in sorted(held) if kind in held[f]["pending"] and span_of(spec, f) == span]
+        raw = {f: self._decode(layer, kind, held[f][kind], lambda h: 16, f) for f in frames}
+        for h in range(self.num_heads):
+            coded = [f for f in frames if self.final_bits(layer, kind, h, f) < 16]
+            if coded:
+                p = self.params(layer, kind, h, self.final_bits(layer, kind, h, coded[0]))
+                x_BTD = torch.cat([raw[f][:, h] for f in coded], dim=1)
+                self._span_states[layer][(kind, h, span)] = fit_span_state(x_BTD, spec, p)
+        for f in frames:
+            held[f][kind] = self._encode_final(layer, kind, f, raw[f], {})
+            held[f]["pending"].discard(kind)
 
     def _encode_final(self, layer: int, kind: str, index: int, x_BHTD: Tensor, states: States) -> list[dict]:
         """Frame `index` of one tensor at its final precision; a predictive tensor codes it
@@ -227,8 +249,14 @@ class QuantizedKVCache(KVCache):
             held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits,
                                                                           index) for kind, x in zip(KINDS, (k_in, v_BHTD))}}
         else:
-            held[index] = {"bits": "final", **extra, **{kind: self._encode_final(layer, kind, index, x, states.get(kind, {}))
-                                                        for kind, x in zip(KINDS, (k_in, v_BHTD))}}
+            deferred = {kind for kind in KINDS if self.spec(layer, kind).prq_deferred}
+            held[index] = {"bits": "final", "pending": set(deferred), **extra,
+                           **{kind: self._encode(layer, x, kind, lambda h: 16, index) if kind in deferred
+                              else self._encode_final(layer, kind, index, x, states.get(kind, {}))
+                              for kind, x in zip(KINDS, (k_in, v_BHTD))}}
+            for kind in deferred:
+                if not span_pending(self.spec(layer, kind), index, index + 1):
+                    self._complete_span(layer, kind, span_of(self.spec(layer, kind), index))
         self._num_appended[layer] = index + 1
         leaving = index - R
         if R > 0 and leaving in held:  # leaves the recent window: re-encoded at its final precision

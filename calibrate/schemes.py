@@ -46,34 +46,40 @@ moves a value by at most an ulp or a code at a rounding boundary.
   query rotated alike: q.k unchanged) and of V (inverse on read), then asymmetric per-token
   2-bit with group = head_dim. No sink or window.
 - `qvg2` (Xi et al., 2026, "Quant VideoGen"; formulas of its `quant-videogen` 0.1.0 package,
-  quant/qvg.py): semantic-aware smoothing by k-means over the tokens of each span (per layer,
-  K/V and head), one stage, 2 k-means iterations, then an INT2 residual with levels {-1, 0, 1}
-  and one FP8-E4M3 scale per token and block of 64 channels: the package's shipped setting
-  (Self-Forcing, HY-WorldPlay, LingBot-v2 scripts). No float16 frames: the first frame is
-  quantized as in the Self-Forcing integration, and the frame being generated attends to its
-  own exact K/V as the package's current chunk does. 2.49 bits/element at the worst span phase.
-  Deviations, and why:
+  quant/qvg.py), as published: semantic-aware smoothing by k-means over the tokens of each span
+  (per layer, K/V and head), one stage, 2 k-means iterations, then an INT2 residual with levels
+  {-1, 0, 1} and one FP8-E4M3 scale per token and block of 64 channels: the package's shipped
+  setting (Self-Forcing, HY-WorldPlay, LingBot-v2 scripts). Its schedule too: a span is
+  `quant_factor` = 8 chunks (the package's default, Self-Forcing's QUANT_FACTOR; a TinyWorld
+  chunk is one frame), held in 16 bits until its last frame is appended, then k-means runs on
+  all its tokens and the span is coded (`prq_deferred`); those pending frames are counted:
+  2.28 bits/element once a span is coded, up to 7.6 while 7 frames of 17 wait (mean over the
+  8 phases 4.8: `memory.phase_bits`). No float16 sink: the first frame is quantized with its
+  span as in the Self-Forcing integration (`quant_sink_keep_chunks` = 0), and the frame being
+  generated attends to its own exact K/V as the package's current chunk does. Deviations, and why:
   - *Centroid budget.* The package uses 256 centroids per span of 37,440 tokens (Self-Forcing:
-    ~146 tokens per centroid, 2.30 bits); a TinyWorld frame has 16 tokens and the window 256,
-    so 256 centroids per span is impossible. Spans of 16 frames with 2 centroids keep ~the
-    package's ratio (128 tokens per centroid) and still cluster; one centroid (S8C1, 2.36
-    bits) reduces k-means to mean removal, while 4 centroids (S16C4: 2.86 bits) or 8-frame
-    spans (S8C2: 2.61) exceed 2.5 (the states of the sink frame's span and of a span that
-    straddles the window edge are held too). Measured on 4 held-out trajectories x 64 frames: S16C2 30.9 dB at 2.49
-    bits vs S8C1 29.2 dB at 2.36, S4C1 29.7 at 2.48, S1C1 (per-frame spans) 29.9 at 3.13.
-  - *Span schedule.* The package compresses a span once it is complete, keeping its frames in
-    bf16 until then (up to S-1 frames: ~5.4 bits resident at S = 8); here the span's
-    centroids are fitted on its first frame when that frame is stored, and the later frames
-    are smoothed with them as they arrive ("stream"): resident bits = stored bits, but the
-    centroids see 16 tokens, not the whole span.
+    ~146 tokens per centroid); a TinyWorld span of 8 frames has 128 tokens: 2 centroids (64
+    tokens each) keep k-means a clustering (one centroid is mean removal).
   - *Indices* are bit-packed (1 bit for 2 centroids) where the package stores a uint8 per
-    token: storage only (2.60 -> 2.49 bits), the same numerics.
-  - float32 arithmetic with float16 centroids (the package: bf16 model, bf16 centroids and
-    residual); assignment to the nearest stored centroid (the package returns k-means' last
-    ids, the same once converged); fixed-seed init shared by the batch rows; the FP8 scale
+    token: storage only, the same numerics.
+  - float32 arithmetic with float16 centroids and float16 pending frames (the package: bf16
+    model, bf16 centroids, residual and pending chunks); assignment to the nearest stored
+    centroid (the package returns k-means' last ids, the same once converged); fixed-seed
+    init shared by the batch rows (the package draws from the global RNG); the FP8 scale
     clamped to [2^-9, 448] (the package's real path divides by a zero scale on an all-zero
     block); the project's bit order; keys post-rotary (LingBot-v2 and HY-WorldPlay cache
-    post-RoPE keys; Self-Forcing pre-RoPE).
+    post-RoPE keys; Self-Forcing pre-RoPE). `benchmarks/peer_oracle.py` runs the package's
+    own code on the same K/V (artifacts/benchmarks/peer_oracle.md).
+- `qvg2_lowmem`: the best span code we found within 2.5 bits (2.49 at the worst span phase),
+  the same quantizer with another schedule. Deferred spans cannot get there: one float16
+  pending frame of 17 already costs ~0.8 bits. So each span's centroids are fitted on its
+  *first* frame when it is stored and the later frames are smoothed with them as they arrive
+  (resident bits = stored bits), spans of 16 frames with 2 centroids (S16C2: 128 tokens per
+  centroid, near the package's ratio). The cost: the centroids see 16 tokens, not the span,
+  and post-rotary keys turn with the camera (peer_oracle.md measures what that costs).
+  Measured on 4 held-out trajectories x 64 frames: S16C2 30.9 dB at 2.49 bits vs S8C1 29.2 dB
+  at 2.36, S4C1 29.7 at 2.48, S1C1 (per-frame spans) 29.9 at 3.13; 4 centroids (S16C4: 2.86
+  bits) or 8-frame spans (S8C2: 2.61) exceed 2.5.
 - `qvg2_static`: the same residual quantizer after static smoothing with 16 centroids per head
   fitted offline on calibration K/V by QVG's k-means (100 iterations), 2.25 bits. Kept because
   it teaches something: on 16-token frames the per-span centroid budget is what limits QVG,
@@ -213,20 +219,34 @@ def _kivi2_lowmem(info: ModelInfo, calib) -> Recipe:
 QVG_BLOCK = 64  # quant_block_size of every shipped script but LingBot v1
 QVG_STAGES = 1  # num_prq_stages of every shipped script but LingBot v1
 QVG_KMEANS_ITERS = 2  # kmeans_max_iters of Self-Forcing, HY-WorldPlay and LingBot-v2
-QVG_SPAN_FRAMES = 16
-QVG_SPAN_CENTROIDS = 2
+QVG_QUANT_FACTOR = 8  # chunks per span: the package's quant_factor (Self-Forcing's QUANT_FACTOR)
+QVG_CENTROIDS = 2
+QVG_LOWMEM_SPAN_FRAMES = 16
+QVG_LOWMEM_CENTROIDS = 2
 
 
-def _qvg2(info: ModelInfo, calib, span_frames: int = QVG_SPAN_FRAMES, centroids: int = QVG_SPAN_CENTROIDS,
-          name: str = "qvg2") -> Recipe:
+def _qvg2(info: ModelInfo, calib) -> Recipe:
     spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), prq_stages=QVG_STAGES,
-                      prq_centroids=centroids, prq_span_frames=span_frames, prq_kmeans_iters=QVG_KMEANS_ITERS)
+                      prq_centroids=QVG_CENTROIDS, prq_span_frames=QVG_QUANT_FACTOR, prq_kmeans_iters=QVG_KMEANS_ITERS,
+                      prq_deferred=True)
     pol = TokenPolicy(sink_frames=0, recent_frames=0)
-    notes = (f"QVG (PRQ): {QVG_STAGES} k-means stage of {centroids} centroid(s) per head and span of {span_frames} "
+    notes = (f"QVG (PRQ) as published: spans of {QVG_QUANT_FACTOR} frames held in 16 bits until complete, then "
+             f"{QVG_STAGES} k-means stage of {QVG_CENTROIDS} centroids per head ({QVG_KMEANS_ITERS} iterations) on all "
+             f"the span's tokens; INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and block of "
+             f"{spec.group_size}; first frame quantized with its span (Self-Forcing integration); keys post-rotary")
+    return Recipe(info, uniform_scheme("qvg2", info.num_layers, spec, spec, pol, notes), {})
+
+
+def _qvg2_lowmem(info: ModelInfo, calib) -> Recipe:
+    S, C = QVG_LOWMEM_SPAN_FRAMES, QVG_LOWMEM_CENTROIDS
+    spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), prq_stages=QVG_STAGES,
+                      prq_centroids=C, prq_span_frames=S, prq_kmeans_iters=QVG_KMEANS_ITERS)
+    pol = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = (f"QVG's quantizer at <= 2.5 bits: {QVG_STAGES} k-means stage of {C} centroids per head and span of {S} "
              f"frames, fitted ({QVG_KMEANS_ITERS} iterations) on the span's first frame when it is stored and shared by "
-             f"the span; INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and block of {spec.group_size}; "
-             "first frame quantized (Self-Forcing integration); keys post-rotary")
-    return Recipe(info, uniform_scheme(name, info.num_layers, spec, spec, pol, notes), {})
+             f"the span (no float16 pending frames); INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and "
+             f"block of {spec.group_size}; first frame quantized; keys post-rotary")
+    return Recipe(info, uniform_scheme("qvg2_lowmem", info.num_layers, spec, spec, pol, notes), {})
 
 
 def _turbo25(info: ModelInfo, calib) -> Recipe:
@@ -286,6 +306,7 @@ BUILDERS = {
     "kvquant2": _kvquant2,
     "quarot2": _quarot2,
     "qvg2": _qvg2,
+    "qvg2_lowmem": _qvg2_lowmem,
     "kivi2_lowmem": _kivi2_lowmem,
     "turbo2.5": _turbo25,
     "jensen2": _jensen2,

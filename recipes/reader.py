@@ -448,7 +448,7 @@ def pack(codes, bits):
 # ---- one head of one frame, per-frame kinds: parameters, encoding, decoding ------------------------
 SPEC_DEFAULTS = {"bits": 16, "head_bits": None, "kind": "uniform", "symmetric": False, "axis": "token", "group_size": 0,
                  "static": False, "clip": 1.0, "rotation": "none", "outliers": 0, "sparse_fraction": 0.0, "centroids": 0,
-                 "comp_rank": 0, "prq_stages": 0, "prq_centroids": 0}
+                 "comp_rank": 0, "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_deferred": False}
 
 
 def spec_of(meta, layer, kind):
@@ -477,6 +477,9 @@ def held_bits(policy, spec, head, f, n):
          "keyframe_bits": 8, **policy}
     if p["recent_frames"] > 0 and f >= n - p["recent_frames"]:
         return p["recent_bits"]
+    S = spec["prq_span_frames"]
+    if spec["prq_deferred"] and (f // S + 1) * S > n:  # its span is not complete yet
+        return 16
     if f < p["sink_frames"]:
         return p["sink_bits"]
     if p["keyframe_interval"] > 0 and f % p["keyframe_interval"] == 0:
@@ -594,7 +597,8 @@ def prq_kmeans(r, C, iters, tol=1e-4):
 
 
 def prq_span_state(y, stages, C, iters):
-    """A span's state [B, S, C, D] (float16) fitted on one frame's y [B, T, D] (after steps 1-4):
+    """A span's state [B, S, C, D] (float16) fitted on one frame's y [B, T, D] (after steps 1-4), or
+    on a deferred span's frames concatenated in frame order [B, n T, D] (`prq_deferred`):
     per stage k-means on the residual, the centroids rounded to float16, then the residual less
     each token's nearest stored centroid."""
     r = np.asarray(y, dtype=F32)

@@ -184,7 +184,7 @@ class _Recorded(KVCache):
         self.calls.append((seen.layer, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope))
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2", "turbo2.5", "jensen2"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2_lowmem", "turbo2.5", "jensen2"])
 def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
     """TinyWorld's own K/V, fed to both runtimes step by step (teacher-forced): records equal bitwise,
     outputs within float rounding at every step, bytes as predicted. Free rollouts are not compared:

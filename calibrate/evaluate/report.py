@@ -7,7 +7,7 @@ report.json schema (version 1; every number finite):
      "config": {...resolved config...},
      "schemes": {NAME: {
          "recipe": {"path": str|null, "sha256": str, "scheme": str},
-         "memory": {"bytes", "predicted_bytes", "fp16_bytes", "ratio_to_fp16", "bits_per_element"},
+         "memory": {"bytes", "peak_bytes", "predicted_bytes", "fp16_bytes", "ratio_to_fp16", "bits_per_element"},
          "metrics": {
             "psnr_ref" | "ssim_ref" | "psnr_gt": {
                 "windows": {"0-16": {"mean", "p95", "worst"}, ...},  # over trajectories
@@ -76,12 +76,13 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
             "sha256": hashlib.sha256(recipe_bytes).hexdigest() if recipe_bytes else None,
             "scheme": run.recipe.scheme.name,
         },
-        "memory": {
+        "memory": {  # bytes at the end of the rollouts; the ratio and bits at the peak over their frames
             "bytes": mem["bytes"],
+            "peak_bytes": mem.get("peak_bytes", mem["bytes"]),
             "predicted_bytes": mem["predicted_bytes"],
             "fp16_bytes": mem["fp16_bytes"],
-            "ratio_to_fp16": mem["bytes"] / mem["fp16_bytes"],
-            "bits_per_element": 8 * mem["bytes"] / elements,
+            "ratio_to_fp16": mem.get("peak_bytes", mem["bytes"]) / mem["fp16_bytes"],
+            "bits_per_element": 8 * mem.get("peak_bytes", mem["bytes"]) / elements,
         },
         "metrics": {
             "psnr_ref": _windowed(run, "psnr_ref", True),

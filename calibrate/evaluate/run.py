@@ -228,10 +228,13 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 results, memory, attn = _load_partial(path)
             else:
                 cache = build_cache(recipes[name], window, sink_frames, device, runtime)
-                quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}")
+                held = []  # the cache's bytes after each frame: their most is what it needs (deferred spans vary)
+                quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}",
+                                         on_frames=lambda: held.append(cache.nbytes()))
                 results = _traj_results(group, ref, quant, truth)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
-                memory = {"bytes": cache.nbytes(), "predicted_bytes": cache.predicted_nbytes(n, len(group)),
+                memory = {"bytes": cache.nbytes(), "peak_bytes": max(held, default=cache.nbytes()),
+                          "predicted_bytes": cache.predicted_nbytes(n, len(group)),
                           "fp16_bytes": fp16_device_bytes(recipes[name].model, recipes[name].scheme, n, window, sink_frames,
                                                           len(group))}
                 attn = fp_cache.errors[name].sums if name in shadows else {}
