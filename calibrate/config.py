@@ -335,7 +335,8 @@ class Config:
     device: str = "auto"  # auto (cuda if present, else cpu), cpu, cuda, cuda:N
     seed: int = 0
     recipe: str | None = None
-    schemes: list[str] = field(default_factory=lambda: ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "kvquant2", "qvg2"])
+    schemes: list[str] = field(default_factory=lambda: ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "kvquant2", "qvg2",
+                                                        "qvg2_lowmem"])
     model: ModelConfig = field(default_factory=ModelConfig)
     trajectories: TrajectoriesConfig = field(default_factory=TrajectoriesConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)

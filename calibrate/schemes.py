@@ -53,8 +53,8 @@ moves a value by at most an ulp or a code at a rounding boundary.
   `quant_factor` = 8 chunks (the package's default, Self-Forcing's QUANT_FACTOR; a TinyWorld
   chunk is one frame), held in 16 bits until its last frame is appended, then k-means runs on
   all its tokens and the span is coded (`prq_deferred`); those pending frames are counted:
-  2.28 bits/element once a span is coded, up to 7.6 while 7 frames of 17 wait (mean over the
-  8 phases 4.8: `memory.phase_bits`). No float16 sink: the first frame is quantized with its
+  2.49 bits/element in the one phase where every kept frame is coded, 8.20 at the worst (7
+  pending frames of 17), 5.35 on average over the 8 phases (`memory.phase_bits`). No float16 sink: the first frame is quantized with its
   span as in the Self-Forcing integration (`quant_sink_keep_chunks` = 0), and the frame being
   generated attends to its own exact K/V as the package's current chunk does. Deviations, and why:
   - *Centroid budget.* The package uses 256 centroids per span of 37,440 tokens (Self-Forcing:
