@@ -2,6 +2,7 @@
 
     python -m benchmarks.compare                         # compare.md: 7 held-out 256-frame rollouts
     python -m benchmarks.compare --name stress_1024 --trajectories stress_suite --frames 1024
+    python -m benchmarks.compare --model wanworld --name compare_wanworld --frames 96
 
 Runs `python -m calibrate task=compare` (pipeline.run_compare) with the given schemes into
 --run-dir, then copies its report.md (with the command that made it and how long it took) and
@@ -50,8 +51,9 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=None)
     p.add_argument("--out", default="artifacts/benchmarks")
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--model", default="tinyworld", help="a conf/model preset (tinyworld, wanworld)")
     args = p.parse_args(argv)
-    overrides = ["task=compare", f"schemes=[{args.schemes}]", f"trajectories={args.trajectories}"]
+    overrides = ["task=compare", f"model={args.model}", f"schemes=[{args.schemes}]", f"trajectories={args.trajectories}"]
     if args.frames:
         overrides.append(f"trajectories.num_frames={args.frames}")
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
         md = md.replace(f"]({png.name})", f"]({args.name}_{png.name})")
     header = (f"Command: `{command}` (= `python -m calibrate {' '.join(overrides)}`), {minutes:.1f} min on this 2-core "
               f"CPU, torch threads {torch.get_num_threads()}.\n\n`ours` is the shipped recipe "
-              f"(`recipes/tinyworld-ours-2bit.safetensors`).\n\n")
+              f"(`recipes/{args.model}-ours-2bit.safetensors`).\n\n")
     title, _, rest = md.partition("\n")
     write_text_atomic(out / f"{args.name}.md", f"{title}\n\n{header}{equal_memory(rep)}\n{rest}")
     print(f"wrote {out / (args.name + '.md')} ({minutes:.1f} min)")

@@ -167,7 +167,16 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
 
 # ---- schemes: presets or recipe files ----------------------------------------------------------
 SHIPPED_RECIPES = RECIPE_DIR  # shipped.py: recipes/ of a checkout, or calibrate/recipes of an install
-OURS = "tinyworld-ours-2bit.safetensors"
+OURS = "tinyworld-ours-2bit.safetensors"  # TinyWorld's; `ours` is the shipped recipe of the model run (`ours_recipe`)
+
+
+def ours_recipe(info) -> Path:
+    """The shipped recipe `ours` names for the model `info`: recipes/<model>-ours-2bit.safetensors."""
+    path = SHIPPED_RECIPES / f"{info.name}-ours-2bit.safetensors"
+    if not path.is_file():
+        raise ValueError(f"scheme 'ours': no shipped recipe for model '{info.name}' ({path.name}); fit one with "
+                         f"task=calibrate model={info.name} and pass its path")
+    return path
 
 
 def kv_sample(recorder: Recorder) -> KVSample:
@@ -184,7 +193,7 @@ def calibration_sample(cfg: Config, model: World, device: torch.device) -> KVSam
 
 def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.device,
                     sample: KVSample | None = None) -> dict[str, Recipe]:
-    """Recipes for preset names (baselines, `ours` = the shipped recipe), shipped recipe names or recipe paths.
+    """Recipes for preset names (baselines, `ours` = the model's shipped recipe), shipped recipe names or recipe paths.
 
     Calibrated baselines fit on `sample`, or on a calibration replay made here when not given.
     """
@@ -196,7 +205,7 @@ def resolve_schemes(cfg: Config, names: list[str], model: World, device: torch.d
                 sample = calibration_sample(cfg, model, device)
             recipes[name] = build_baseline(name, info, sample)
         elif name == "ours":
-            recipes[name] = load_recipe(SHIPPED_RECIPES / OURS, info)
+            recipes[name] = load_recipe(ours_recipe(info), info)
         elif is_shipped_name(name) or name.endswith(".safetensors") or Path(name).exists():
             path = resolve_recipe(name)
             recipes[path.stem] = load_recipe(path, info)

@@ -237,6 +237,8 @@ CASES = [
     Case("budget-below-predictive-floor", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=1.01"],
          ["fit.budget_bits=1.01", "window=16"]),
     Case("unknown-scheme", ["task=compare", *TINY_MODEL, "schemes=[fp16,nope]"], ["unknown scheme 'nope'"]),
+    Case("ours-without-a-shipped-recipe", ["task=compare", "model=wan_diffusers", "schemes=[ours]"],
+         ["scheme 'ours': no shipped recipe for model 'wan_diffusers'", "wan_diffusers-ours-2bit.safetensors"]),
     Case("unknown-preset", ["task=calibrate", *TINY_MODEL, "quant.preset=nope"],
          ["unknown scheme 'nope'", "kivi2_lowmem", "turbo2.5", "jensen2", "qvg2_static"]),
     Case("preset-over-budget", ["task=calibrate", *TINY_MODEL, "quant=kivi2", "fit.budget_bits=2.5"],
