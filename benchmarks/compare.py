@@ -2,7 +2,8 @@
 
     python -m benchmarks.compare                         # compare.md: 7 held-out 256-frame rollouts
     python -m benchmarks.compare --name stress_1024 --trajectories stress_suite --frames 1024
-    python -m benchmarks.compare --model wanworld --name compare_wanworld --frames 96
+    python -m benchmarks.compare --model wanworld --name compare_wanworld --frames 96 \
+        --schemes fp16,naive2,kivi2,kivi2_lowmem,kivi4,quarot2,kvquant2,qvg2,qvg2_lowmem,turbo2.5,ours eval.attention=false
 
 Runs `python -m calibrate task=compare` (pipeline.run_compare) with the given schemes into
 --run-dir, then copies its report.md (with the command that made it and how long it took) and
@@ -52,10 +53,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="artifacts/benchmarks")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--model", default="tinyworld", help="a conf/model preset (tinyworld, wanworld)")
+    p.add_argument("overrides", nargs="*", help="more `python -m calibrate` overrides, e.g. eval.attention=false")
     args = p.parse_args(argv)
     overrides = ["task=compare", f"model={args.model}", f"schemes=[{args.schemes}]", f"trajectories={args.trajectories}"]
     if args.frames:
         overrides.append(f"trajectories.num_frames={args.frames}")
+    overrides += args.overrides
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         cfg = to_config(compose(config_name="config", overrides=overrides))
     run_dir = Path(args.run_dir or f"artifacts/runs/bench_{args.name}")
