@@ -225,28 +225,28 @@ QVG_LOWMEM_SPAN_FRAMES = 16
 QVG_LOWMEM_CENTROIDS = 2
 
 
-def _qvg2(info: ModelInfo, calib) -> Recipe:
+def _qvg_recipe(info: ModelInfo, name: str, span_frames: int, centroids: int, deferred: bool, schedule: str) -> Recipe:
+    """QVG's PRQ quantizer (the package's shipped setting) under one span schedule."""
     spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), prq_stages=QVG_STAGES,
-                      prq_centroids=QVG_CENTROIDS, prq_span_frames=QVG_QUANT_FACTOR, prq_kmeans_iters=QVG_KMEANS_ITERS,
-                      prq_deferred=True)
+                      prq_centroids=centroids, prq_span_frames=span_frames, prq_kmeans_iters=QVG_KMEANS_ITERS,
+                      prq_deferred=deferred)
     pol = TokenPolicy(sink_frames=0, recent_frames=0)
-    notes = (f"QVG (PRQ) as published: spans of {QVG_QUANT_FACTOR} frames held in 16 bits until complete, then "
-             f"{QVG_STAGES} k-means stage of {QVG_CENTROIDS} centroids per head ({QVG_KMEANS_ITERS} iterations) on all "
-             f"the span's tokens; INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and block of "
-             f"{spec.group_size}; first frame quantized with its span (Self-Forcing integration); keys post-rotary")
-    return Recipe(info, uniform_scheme("qvg2", info.num_layers, spec, spec, pol, notes), {})
+    notes = (f"{schedule}; {QVG_STAGES} k-means stage of {centroids} centroids per head and span ({QVG_KMEANS_ITERS} "
+             f"iterations); INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and block of {spec.group_size}; "
+             "first frame quantized with its span (Self-Forcing integration); keys post-rotary")
+    return Recipe(info, uniform_scheme(name, info.num_layers, spec, spec, pol, notes), {})
+
+
+def _qvg2(info: ModelInfo, calib) -> Recipe:
+    return _qvg_recipe(info, "qvg2", QVG_QUANT_FACTOR, QVG_CENTROIDS, True,
+                       f"QVG (PRQ) as published: spans of {QVG_QUANT_FACTOR} frames held in 16 bits until complete, "
+                       "then fitted on all their tokens")
 
 
 def _qvg2_lowmem(info: ModelInfo, calib) -> Recipe:
-    S, C = QVG_LOWMEM_SPAN_FRAMES, QVG_LOWMEM_CENTROIDS
-    spec = TensorSpec(bits=2, kind="prq", group_size=min(QVG_BLOCK, info.head_dim), prq_stages=QVG_STAGES,
-                      prq_centroids=C, prq_span_frames=S, prq_kmeans_iters=QVG_KMEANS_ITERS)
-    pol = TokenPolicy(sink_frames=0, recent_frames=0)
-    notes = (f"QVG's quantizer at <= 2.5 bits: {QVG_STAGES} k-means stage of {C} centroids per head and span of {S} "
-             f"frames, fitted ({QVG_KMEANS_ITERS} iterations) on the span's first frame when it is stored and shared by "
-             f"the span (no float16 pending frames); INT2 residual (levels -1, 0, 1), FP8-E4M3 scale per token and "
-             f"block of {spec.group_size}; first frame quantized; keys post-rotary")
-    return Recipe(info, uniform_scheme("qvg2_lowmem", info.num_layers, spec, spec, pol, notes), {})
+    return _qvg_recipe(info, "qvg2_lowmem", QVG_LOWMEM_SPAN_FRAMES, QVG_LOWMEM_CENTROIDS, False,
+                       f"QVG's quantizer at <= 2.5 bits: spans of {QVG_LOWMEM_SPAN_FRAMES} frames fitted on their first "
+                       "frame when it is stored (no float16 pending frames)")
 
 
 def _turbo25(info: ModelInfo, calib) -> Recipe:
