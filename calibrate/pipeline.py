@@ -167,7 +167,6 @@ def run_stats(cfg: Config, out_dir: Path) -> dict:
 
 # ---- schemes: presets or recipe files ----------------------------------------------------------
 SHIPPED_RECIPES = RECIPE_DIR  # shipped.py: recipes/ of a checkout, or calibrate/recipes of an install
-OURS = "tinyworld-ours-2bit.safetensors"  # TinyWorld's; `ours` is the shipped recipe of the model run (`ours_recipe`)
 
 
 def ours_recipe(info) -> Path:

@@ -179,10 +179,9 @@ class QuantizedKVCache(KVCache):
     def stored_bits(self, layer: int, kind: str, head: int, index: int) -> int:
         """Bits frame `index` of one head is held at now (recent window, a deferred span not yet
         complete, or its final class)."""
-        record = self._frames[layer][index]
-        if record["bits"] == "recent":
+        if self._frames[layer][index]["bits"] == "recent":
             return self.policy.recent_bits
-        if kind in record.get("pending", ()):
+        if span_pending(self.spec(layer, kind), index, self._num_appended[layer]):
             return 16
         return self.final_bits(layer, kind, head, index)
 
@@ -190,7 +189,7 @@ class QuantizedKVCache(KVCache):
         """A deferred span's last frame is in: fit each head's state on the tokens of the span's held
         frames it codes below 16 bits (frame order), then code every pending frame of the span."""
         spec, held = self.spec(layer, kind), self._frames[layer]
-        frames = [f for f in sorted(held) if kind in held[f]["pending"] and span_of(spec, f) == span]
+        frames = [f for f in sorted(held) if span_of(spec, f) == span]  # all pending until now
         raw = {f: self._decode(layer, kind, held[f][kind], lambda h: 16, f) for f in frames}
         for h in range(self.num_heads):
             coded = [f for f in frames if self.final_bits(layer, kind, h, f) < 16]
@@ -200,7 +199,6 @@ class QuantizedKVCache(KVCache):
                 self._span_states[layer][(kind, h, span)] = fit_span_state(x_BTD, spec, p)
         for f in frames:
             held[f][kind] = self._encode_final(layer, kind, f, raw[f], {})
-            held[f]["pending"].discard(kind)
 
     def _encode_final(self, layer: int, kind: str, index: int, x_BHTD: Tensor, states: States) -> list[dict]:
         """Frame `index` of one tensor at its final precision; a predictive tensor codes it
@@ -249,14 +247,14 @@ class QuantizedKVCache(KVCache):
             held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits,
                                                                           index) for kind, x in zip(KINDS, (k_in, v_BHTD))}}
         else:
-            deferred = {kind for kind in KINDS if self.spec(layer, kind).prq_deferred}
-            held[index] = {"bits": "final", "pending": set(deferred), **extra,
-                           **{kind: self._encode(layer, x, kind, lambda h: 16, index) if kind in deferred
+            held[index] = {"bits": "final", **extra,
+                           **{kind: self._encode(layer, x, kind, lambda h: 16, index) if self.spec(layer, kind).prq_deferred
                               else self._encode_final(layer, kind, index, x, states.get(kind, {}))
                               for kind, x in zip(KINDS, (k_in, v_BHTD))}}
-            for kind in deferred:
-                if not span_pending(self.spec(layer, kind), index, index + 1):
-                    self._complete_span(layer, kind, span_of(self.spec(layer, kind), index))
+            for kind in KINDS:
+                spec = self.spec(layer, kind)
+                if spec.prq_deferred and not span_pending(spec, index, index + 1):
+                    self._complete_span(layer, kind, span_of(spec, index))
         self._num_appended[layer] = index + 1
         leaving = index - R
         if R > 0 and leaving in held:  # leaves the recent window: re-encoded at its final precision

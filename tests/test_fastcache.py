@@ -407,13 +407,13 @@ def test_the_shipped_recipe_rolls_out_bitwise_like_the_reference():
     """Closed loop: the frames fed back are the runtime's own, so any difference would grow; the
     fast runtime decodes with the reference's float32 steps, and the rollouts are identical."""
     from calibrate.adapters import TinyWorldAdapter
-    from calibrate.pipeline import OURS, SHIPPED_RECIPES
+    from calibrate.pipeline import ours_recipe
     from calibrate.recipe import load_recipe
     from calibrate.world.trajectories import make_trajectories
     from calibrate.world.weights import load_weights
 
     world = TinyWorldAdapter(load_weights(None))
-    recipe = load_recipe(SHIPPED_RECIPES / OURS, world.info)
+    recipe = load_recipe(ours_recipe(world.info), world.info)
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 30, 0)
     cpu = torch.device("cpu")
     fast = FastKVCache.from_recipe(recipe, 16, 1)

@@ -68,6 +68,7 @@ def _optional_mean(values) -> float | None:
 def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
     mem = run.memory
     elements = mem["fp16_bytes"] / 2
+    peak = mem.get("peak_bytes", mem["bytes"])  # partial files written before peaks were measured have none
     attn = AttentionError(len(run.attention.get("rows", [])) or 1, {k: list(v) for k, v in run.attention.items()}) if run.attention else None
     recipe_bytes = Path(run.recipe.path).read_bytes() if run.recipe.path else b""
     return {
@@ -78,11 +79,11 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
         },
         "memory": {  # bytes at the end of the rollouts; the ratio and bits at the peak over their frames
             "bytes": mem["bytes"],
-            "peak_bytes": mem.get("peak_bytes", mem["bytes"]),
+            "peak_bytes": peak,
             "predicted_bytes": mem["predicted_bytes"],
             "fp16_bytes": mem["fp16_bytes"],
-            "ratio_to_fp16": mem.get("peak_bytes", mem["bytes"]) / mem["fp16_bytes"],
-            "bits_per_element": 8 * mem.get("peak_bytes", mem["bytes"]) / elements,
+            "ratio_to_fp16": peak / mem["fp16_bytes"],
+            "bits_per_element": 8 * peak / elements,
         },
         "metrics": {
             "psnr_ref": _windowed(run, "psnr_ref", True),
