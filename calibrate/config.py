@@ -204,6 +204,7 @@ class EvalConfig:
     psnr_threshold_db: float = 30.0  # drift: first frame whose psnr_ref falls below this
     strips: bool = True  # GIF strips of each scheme's worst trajectory and the players of report.html
     attention: bool = True  # per-layer attention KL / top-frame agreement (costs a second pass)
+    noise_twin: bool = True  # roll out each scheme's noise twin too (evaluate/twin.py: one fp rollout more per scheme)
     runtime: str = "auto"  # quantized caches: auto (fast runtime, else the reference with a log line) | fast | reference
 
     def check(self) -> None:

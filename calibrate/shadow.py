@@ -12,6 +12,12 @@ history, and accumulates:
 - `dt2`: squared norm of the frame-to-frame change e_t - e_{t-1} (the temporal term of the
   fitting objective: an error that jumps between frames is seen as flicker).
 
+It also measures each quantized cache's *stored* error (`StoredError`): every time a frame
+attends, the history a shadow holds (its decoded K/V, post-rotary) against the fp history of the
+same frames, per trajectory, layer, K/V and head. A frame counts once per step it is attended
+to, so this is the error attention sees, recent full-precision frames and sinks included. With
+`attention=False` only that is measured (the noise twin's input, evaluate/twin.py).
+
 The quantized caches never influence the rollout, so every scheme is measured on exactly the
 same K/V: this is the "history quantized, teacher-forced from the fp K/V" objective that the
 fitters minimize and the evaluation reports per layer.
@@ -28,6 +34,37 @@ from torch import Tensor
 from calibrate.cache import Attended, KVCache, attention_logits, bias_rows
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
+
+
+@dataclass
+class StoredError:
+    """Sums of squared stored error and of the squared fp signal, [B, L, 2 (K, V), H] float64, and
+    the elements each (trajectory, layer, K/V, head) sum runs over, [L]."""
+
+    err2: Tensor
+    sig2: Tensor
+    count: Tensor
+
+    @staticmethod
+    def zeros(batch: int, num_layers: int, num_heads: int) -> "StoredError":
+        z = torch.zeros(batch, num_layers, 2, num_heads, dtype=torch.float64)
+        return StoredError(z, z.clone(), torch.zeros(num_layers, dtype=torch.float64))
+
+    def add(self, layer: int, k_q: Tensor, v_q: Tensor, k_ref: Tensor, v_ref: Tensor) -> None:
+        """Held K/V [B, H, N, D] of a cache against the fp K/V of the same frames."""
+        for i, (q, r) in enumerate(((k_q, k_ref), (v_q, v_ref))):
+            r64 = r.double()
+            self.err2[:, layer, i] += (q.double() - r64).pow(2).sum((-2, -1)).cpu()
+            self.sig2[:, layer, i] += r64.pow(2).sum((-2, -1)).cpu()
+        self.count[layer] += k_ref.shape[-2] * k_ref.shape[-1]
+
+    def sqnr_db(self, dims: tuple[int, ...] = (-1,)) -> Tensor:
+        """10 log10(signal / error) after summing over `dims` (default: heads -> [B, L, 2])."""
+        return 10 * torch.log10(self.sig2.sum(dims) / self.err2.sum(dims).clamp_min(1e-300))
+
+    def noise_std(self) -> Tensor:
+        """The root-mean-square stored error per element, [B, L, 2, H]: the noise twin's std."""
+        return (self.err2 / self.count.clamp_min(1).view(1, -1, 1, 1)).sqrt()
 
 
 @dataclass
@@ -68,10 +105,13 @@ class AttentionError:
 class ShadowCache(KVCache):
     """The full-precision cache that also feeds `shadows` every frame and compares their attention."""
 
-    def __init__(self, num_layers: int, window: int, sink_frames: int, shadows: dict[str, KVCache]):
+    def __init__(self, num_layers: int, window: int, sink_frames: int, shadows: dict[str, KVCache],
+                 attention: bool = True):
         super().__init__(num_layers, window, sink_frames)
         self.shadows = shadows
+        self.attention = attention
         self.errors = {name: AttentionError(num_layers) for name in shadows}
+        self.stored: dict[str, StoredError] = {}
         self._prev_err: dict[tuple[str, int], Tensor] = {}
 
     def expect(self, coords_BP: Tensor) -> None:
@@ -87,6 +127,15 @@ class ShadowCache(KVCache):
         for name, cache in self.shadows.items():
             cache.append(layer, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
         reads = {name: cache.gather(layer, seen.k_rot_BHTD, seen.v_BHTD) for name, cache in self.shadows.items()}
+        held = seen.k_BHND.shape[2] - T  # history tokens (the fresh frame is last and never stored)
+        for name, (kq, vq) in reads.items():
+            if name not in self.stored:
+                self.stored[name] = StoredError.zeros(q_BHTD.shape[0], self.num_layers, seen.k_BHND.shape[1])
+            if held:
+                self.stored[name].add(layer, kq[:, :, :held], vq[:, :, :held], seen.k_BHND[:, :, :held],
+                                      seen.v_BHND[:, :, :held])
+        if not self.attention:
+            return
         biases = {name: cache.logit_bias(layer, q_BHTD) for name, cache in self.shadows.items()}  # key-noise corrections
         o_q = {name: torch.empty_like(out) for name in self.shadows}
         kl = dict.fromkeys(self.shadows, 0.0)

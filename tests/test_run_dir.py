@@ -109,7 +109,7 @@ def test_an_interrupted_compare_resumes_to_the_uninterrupted_report(tiny, tmp_pa
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 6:  # batch 0: fp, fp16, kivi2; batch 1: fp, fp16, then Ctrl-C in kivi2
+        if len(calls) == 9:  # batch 0: fp, fp16 + its noise twin, kivi2 + twin; batch 1: fp, fp16 + twin, Ctrl-C in kivi2
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
@@ -119,7 +119,7 @@ def test_an_interrupted_compare_resumes_to_the_uninterrupted_report(tiny, tmp_pa
     calls.clear()
     monkeypatch.setattr(eval_run, "rollout_batch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     pipeline.run_compare(cfg, tmp_path / "resumed")
-    assert len(calls) == 2  # batch 1's fp reference and kivi2 (fp16's partial of batch 1 was written)
+    assert len(calls) == 3  # batch 1's fp reference, kivi2 and its twin (fp16's partial of batch 1 was written)
     report = lambda d: (tmp_path / d / "report.json").read_text()
     assert report("resumed") == report("uninterrupted")
     assert sheets_of(tmp_path / "resumed") == sheets_of(tmp_path / "uninterrupted")
@@ -163,7 +163,7 @@ def test_partial_key_names_every_input(tiny):
     assert key not in keys and len(keys) == len(variants)
     kivi, naive = (load_recipe(recipes[n]) for n in ("kivi2", "naive2"))
     assert len({eval_run.partial_key(key, kivi, True), eval_run.partial_key(key, kivi, False),
-                eval_run.partial_key(key, naive, True)}) == 3
+                eval_run.partial_key(key, naive, True), eval_run.partial_key(key, kivi, True, twin=True)}) == 4
 
 
 # ---- 2. budgets are checked before any replay -----------------------------------------------------

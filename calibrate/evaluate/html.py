@@ -300,7 +300,17 @@ def _windows_tables(rep: dict) -> str:
             rows.append([html.escape(n)] + [f"{_fmt(w[x]['mean'], digits)} ({_fmt(w[x]['p95'], digits)})" if x in w else "-"
                                             for x in windows])
         out.append(f"<h3>{title}</h3>" + _table(["scheme"] + windows, rows, cls="numbers"))
-    return "".join(out)
+    return "".join(out) + _twin_table(rep)
+
+
+def _twin_table(rep: dict) -> str:
+    """report.twin_table (the noise twin), when the run measured one."""
+    head, rows = report_mod.twin_table(rep)
+    if not rows:
+        return ""
+    return ("<h3>Coherent error: each scheme against its noise twin</h3>"
+            f"<p>{html.escape(report_mod.TWIN_SENTENCE)}</p>"
+            + _table(head, [[html.escape(c) for c in r] for r in rows], cls="numbers"))
 
 
 def page_data(page: str) -> dict:

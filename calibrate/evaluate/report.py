@@ -16,11 +16,18 @@ report.json schema (version 1; every number finite):
             "drift": {"slope": {...}, "first_below": {"threshold_db", "per_trajectory": [...]}},
             "flicker_static": {"quant": x|null, "fp": y|null},
             "revisit": {"quant": x|null, "fp": y|null},
-            "attention": {"kl": [L], "top_agreement": [L], "rel_err": [L], "temporal": [L]}},
+            "attention": {"kl": [L], "top_agreement": [L], "rel_err": [L], "temporal": [L]},
+            "twin": {} | {"families": {FAMILY: {"trajectories": n,              # with eval.noise_twin
+                                                "sqnr_db": {"k": [L], "v": [L]},  # stored vs fp, teacher-forced
+                                                "windows": {"0-16": {"scheme", "twin", "gap"}, ...}}},
+                          "all": {"sqnr_db": {...}, "windows": {...}}}},
          "per_frame": {"psnr_ref": [N], "flicker": [N-1]}}}}
 
 `mean` is over trajectories (and frames within the window); `p95` and `worst` point to the bad
 side (5th percentile / minimum for PSNR and SSIM, 95th percentile / maximum for flicker).
+`twin`: the scheme's PSNR vs the fp rollout next to its noise twin's (evaluate/twin.py), mean
+over the family's trajectories; gap = scheme - twin (below 0: the error's structure costs more
+than its size). SQNR in dB is the mean over trajectories of each layer's stored K or V SQNR.
 """
 
 from __future__ import annotations
@@ -63,6 +70,32 @@ def _mean_series(run: SchemeRun, key: str) -> list[float]:
 def _optional_mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return M.json_safe(sum(values) / len(values)) if values else None
+
+
+def _twin_group(trajs) -> dict:
+    L = len(trajs[0].sqnr_db["k"])
+    windows = {}
+    for key in ("psnr_ref", "psnr_twin"):
+        for r in trajs:
+            for w, v in M.window_means(r.series[key]).items():
+                windows.setdefault(w, {}).setdefault(key, []).append(v)
+    table = {}
+    for w, v in windows.items():
+        scheme, twin = (sum(v[k]) / len(v[k]) for k in ("psnr_ref", "psnr_twin"))
+        table[w] = {"scheme": M.json_safe(scheme), "twin": M.json_safe(twin), "gap": M.json_safe(scheme - twin, False)}
+    sqnr = {kv: [M.json_safe(sum(r.sqnr_db[kv][i] for r in trajs) / len(trajs)) for i in range(L)] for kv in ("k", "v")}
+    return {"trajectories": len(trajs), "sqnr_db": sqnr, "windows": table}
+
+
+def twin_summary(run: SchemeRun) -> dict:
+    """The scheme against its noise twin, per family and over all trajectories ({} without a twin)."""
+    trajs = [r for r in run.trajs if "psnr_twin" in r.series and r.sqnr_db is not None]
+    if not trajs:
+        return {}
+    families: dict[str, list] = {}
+    for r in trajs:
+        families.setdefault(r.family, []).append(r)
+    return {"families": {f: _twin_group(rs) for f, rs in families.items()}, "all": _twin_group(trajs)}
 
 
 def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
@@ -108,6 +141,7 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
                 "rel_err": [M.json_safe(x, False) for x in attn.rel_err()],
                 "temporal": [M.json_safe(x, False) for x in attn.temporal()],
             },
+            "twin": twin_summary(run),
         },
         "per_frame": {"psnr_ref": _mean_series(run, "psnr_ref"), "flicker": _mean_series(run, "flicker")},
     }
@@ -186,14 +220,52 @@ def blind_spot_markdown(report: dict) -> str:
 
 def windows_markdown(report: dict, key: str = "psnr_ref", digits: int = 2) -> str:
     names = list(report["schemes"])
-    windows = sorted(next(iter(report["schemes"].values()))["metrics"][key]["windows"],
-                     key=lambda w: int(w.split("-")[0].rstrip("+")))  # JSON may hold them sorted as text
+    windows = _sorted_windows(next(iter(report["schemes"].values()))["metrics"][key]["windows"])
     lines = ["| scheme | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]
     for n in names:
         w = report["schemes"][n]["metrics"][key]["windows"]
         lines.append(f"| {n} | " + " | ".join(f"{_fmt(w[x]['mean'], digits)} ({_fmt(w[x]['p95'], digits)})" if x in w else "-"
                                              for x in windows) + " |")
     return "\n".join(lines)
+
+
+def _sorted_windows(labels) -> list[str]:
+    return sorted(labels, key=lambda w: int(w.split("-")[0].rstrip("+")))  # JSON may hold them sorted as text
+
+
+def twin_table(report: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the noise-twin table: per scheme and family (then "all"), stored SQNR
+    (mean over layers) and scheme / twin PSNR (gap) per window; no rows without a twin."""
+    groups = []
+    for name, s in report["schemes"].items():
+        twin = s["metrics"].get("twin") or {}
+        groups += [(name, fam, g) for fam, g in twin.get("families", {}).items()]
+        if twin:
+            groups.append((name, "all", twin["all"]))
+    if not groups:
+        return [], []
+    windows = _sorted_windows(groups[0][2]["windows"])
+    head = ["scheme", "family", "K SQNR dB", "V SQNR dB"] + [f"{w}: scheme / twin (gap)" for w in windows]
+    rows = []
+    for name, fam, g in groups:
+        k, v = (sum(g["sqnr_db"][x]) / len(g["sqnr_db"][x]) for x in ("k", "v"))
+        rows.append([name, fam, f"{k:.1f}", f"{v:.1f}"]
+                    + [f"{_fmt(c['scheme'])} / {_fmt(c['twin'])} ({c['gap']:+.1f})" if (c := g["windows"].get(w)) else "-"
+                       for w in windows])
+    return head, rows
+
+
+def twin_markdown(report: dict) -> str:
+    head, rows = twin_table(report)
+    if not rows:
+        return ""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+TWIN_SENTENCE = ("Each scheme's noise twin rolls out with the fp cache plus independent Gaussian error of the scheme's "
+                 "own stored error power (per trajectory, layer, K/V and head, measured teacher-forced). gap = scheme - "
+                 "twin PSNR vs the fp rollout: near 0 the scheme's error acts like noise of its size; well below 0 it "
+                 "is coherent (it repeats or follows the content and adds up). SQNR: stored vs fp K/V, mean over layers.")
 
 
 def markdown(report: dict, command: str, images: dict[str, str]) -> str:
@@ -224,6 +296,9 @@ def markdown(report: dict, command: str, images: dict[str, str]) -> str:
         windows_markdown(report, "flicker", digits=5),
         "",
     ]
+    twin = twin_markdown(report)
+    if twin:
+        parts += ["## Coherent error: each scheme against its noise twin", "", TWIN_SENTENCE, "", twin, ""]
     for title, path in images.items():
         parts += [f"## {title}", "", f"![{title}]({path})", ""]
     return "\n".join(parts)

@@ -6,7 +6,9 @@ attention KL, most-attended-frame agreement, output error: teacher-forced). Then
 rolls out on its own through its packed runtime (`fastcache.build_cache`: the fast runtime, or the
 reference `QuantizedKVCache` as `eval.runtime` says), and the
 per-frame series are computed against the fp rollout and the ground truth. Memory is counted
-from the runtime's tensors at the end of the rollout (steady state).
+from the runtime's tensors after every frame (the report takes the most). With `twin`, each
+scheme's stored error is measured teacher-forced in the same shadows and its noise twin
+(evaluate/twin.py) rolls out after it: series `psnr_twin`, and the stored SQNR per trajectory.
 
 Each finished (scheme, batch) is written to `partial/<scheme>.<batch>.safetensors` in the run
 dir; a run restarted with the same `hydra.run.dir` picks those up instead of recomputing. A
@@ -32,6 +34,7 @@ from tqdm import tqdm
 
 from calibrate.adapters.base import WorldAdapter
 from calibrate.evaluate import metrics as M
+from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
@@ -43,8 +46,8 @@ from calibrate.world.trajectories import revisit_pairs
 
 log = logging.getLogger(__name__)
 
-SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")
-PARTIAL_VERSION = "2"  # partial files without this version (or key) are recomputed
+SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")  # + "psnr_twin" with a twin
+PARTIAL_VERSION = "3"  # partial files without this version (or key) are recomputed
 
 
 @dataclass
@@ -58,6 +61,7 @@ class TrajResult:
     revisit_fp: float | None
     static_q: float | None
     static_fp: float | None
+    sqnr_db: dict[str, list[float]] | None = None  # stored K and V SQNR per layer (measured with a twin)
 
 
 @dataclass
@@ -70,7 +74,8 @@ class SchemeRun:
     frames: list[dict[str, Tensor]] | None = None  # per batch: reference, quantized, ground_truth
 
 
-def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Tensor) -> list[TrajResult]:
+def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Tensor, twin: Tensor | None = None,
+                  sqnr_BL2: Tensor | None = None) -> list[TrajResult]:
     out = []
     for b, traj in enumerate(trajs):
         r, q, g = ref[b], quant[b], truth[b]
@@ -82,12 +87,15 @@ def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Te
             "err": M.error_series(q, r),
             "flicker": M.flicker_series(q, r),
         }
+        if twin is not None:
+            series["psnr_twin"] = M.psnr(twin[b], r)
         pairs = revisit_pairs(traj) if traj.family == "revisit" else []
         rq = M.revisit_consistency(q, pairs)[0] if pairs else None
         rf = M.revisit_consistency(r, pairs)[0] if pairs else None
         sq = float(M.flicker_static(q)) if traj.family == "static" else None
         sf = float(M.flicker_static(r)) if traj.family == "static" else None
-        out.append(TrajResult(traj.family, traj.seed, series, rq, rf, sq, sf))
+        sqnr = None if sqnr_BL2 is None else {"k": sqnr_BL2[b, :, 0].tolist(), "v": sqnr_BL2[b, :, 1].tolist()}
+        out.append(TrajResult(traj.family, traj.seed, series, rq, rf, sq, sf, sqnr))
     return out
 
 
@@ -109,18 +117,20 @@ def setting_key(info: ModelInfo, trajs: list[Trajectory], window: int, sink_fram
                     "window": window, "sink_frames": sink_frames, "batch_size": batch_size, "device": device.type})
 
 
-def partial_key(setting: str, recipe: Recipe, attention: bool, runtime: str = "auto") -> str:
+def partial_key(setting: str, recipe: Recipe, attention: bool, runtime: str = "auto", twin: bool = False) -> str:
     """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics
-    computed, the runtime that runs it (fast and reference differ in float rounding)."""
+    computed (attention, noise twin), the runtime that runs it (fast and reference differ in float
+    rounding)."""
     return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention,
-                    "runtime": runtime})
+                    "runtime": runtime, "twin": twin})
 
 
 def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict, key: str, frames: bool) -> None:
     # float64 as computed: a resumed run's report is the uninterrupted run's, to the last bit
     tensors = {f"{i}.{k}": v.double().contiguous() for i, r in enumerate(results) for k, v in r.series.items()}
     meta = {"memory": json.dumps(memory), "attention": json.dumps(attention), "key": key, "frames": str(int(frames)),
-            "trajs": json.dumps([[r.family, r.seed, r.revisit_q, r.revisit_fp, r.static_q, r.static_fp] for r in results])}
+            "trajs": json.dumps([[r.family, r.seed, r.revisit_q, r.revisit_fp, r.static_q, r.static_fp, r.sqnr_db]
+                                 for r in results])}
     write_bytes_atomic(path, safetensors_bytes(tensors, meta))
 
 
@@ -144,9 +154,9 @@ def _load_partial(path) -> tuple[list[TrajResult], dict, dict]:
         meta = f.metadata()
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     results = []
-    for i, (family, seed, rq, rf, sq, sf) in enumerate(json.loads(meta["trajs"])):
-        series = {k: tensors[f"{i}.{k}"].double() for k in SERIES}
-        results.append(TrajResult(family, seed, series, rq, rf, sq, sf))
+    for i, (family, seed, rq, rf, sq, sf, sqnr) in enumerate(json.loads(meta["trajs"])):
+        series = {name.partition(".")[2]: t.double() for name, t in tensors.items() if name.partition(".")[0] == str(i)}
+        results.append(TrajResult(family, seed, series, rq, rf, sq, sf, sqnr))
     return results, json.loads(meta["memory"]), json.loads(meta["attention"])
 
 
@@ -182,14 +192,15 @@ def _reusable(partial_dir: Path | None, keys: dict[str, str], num_batches: int, 
 
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
-             keep_frames: bool = False, on_rollout=None, runtime: str = "auto") -> dict[str, SchemeRun]:
+             keep_frames: bool = False, on_rollout=None, runtime: str = "auto", twin: bool = False) -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`).
 
     `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
     as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
     model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
-    `runtime` picks the quantized caches (`fastcache.RUNTIMES`). Each rollout shows its frames
-    as a progress bar with an ETA.
+    `runtime` picks the quantized caches (`fastcache.RUNTIMES`). `twin` rolls out each scheme's
+    noise twin too (not for a memory plan, whose held frames differ from the fp cache's). Each
+    rollout shows its frames as a progress bar with an ETA.
     """
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
@@ -199,7 +210,8 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     keys = {}
     if partial_dir is not None:
         setting = setting_key(world.info, trajs, window, sink_frames, batch_size, device)
-        keys = {name: partial_key(setting, r, attention, resolved_runtime(r, runtime)) for name, r in recipes.items()}
+        keys = {name: partial_key(setting, r, attention, resolved_runtime(r, runtime), twin and r.scheme.policy.plan is None)
+                for name, r in recipes.items()}
     reuse = _reusable(partial_dir, keys, len(groups), on_rollout is not None, keep_frames)
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
     first = 0
@@ -213,11 +225,11 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             # attention metrics compare with a float cache of the same frames: not for a memory plan,
             # whose device tier holds other frames (its own window, recalled slots)
             shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo
-                       if attention and recipes[n].scheme.policy.plan is None}
-            if attention and len(shadows) < len(todo):
-                log.info("attention metrics left out for %s: a memory plan's cache holds other frames than the "
-                         "float reference", ", ".join(n for n in todo if n not in shadows))
-            fp_cache = ShadowCache(layers, window, sink_frames, shadows)
+                       if (attention or twin) and recipes[n].scheme.policy.plan is None}
+            if (attention or twin) and len(shadows) < len(todo):
+                log.info("attention metrics and noise twin left out for %s: a memory plan's cache holds other frames "
+                         "than the float reference", ", ".join(n for n in todo if n not in shadows))
+            fp_cache = ShadowCache(layers, window, sink_frames, shadows, attention)
             where = f"batch {bi + 1}/{len(groups)}"
             ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth, desc=f"fp reference, {where}")
             if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
@@ -231,13 +243,20 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                 held = []  # the cache's bytes after each frame: their most is what it needs (deferred spans vary)
                 quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}",
                                          on_frames=lambda: held.append(cache.nbytes()))
-                results = _traj_results(group, ref, quant, truth)
+                twin_frames = sqnr = None
+                if twin and name in shadows:
+                    stored = fp_cache.stored[name]
+                    twin_cache = NoiseTwinCache(layers, window, sink_frames, stored.noise_std(), TWIN_SEED + bi)
+                    twin_frames, _ = rollout_batch(world, group, twin_cache, device, truth=truth,
+                                                   desc=f"{name} noise twin, {where}")
+                    sqnr = stored.sqnr_db()
+                results = _traj_results(group, ref, quant, truth, twin_frames, sqnr)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "peak_bytes": max(held, default=cache.nbytes()),
                           "predicted_bytes": cache.predicted_nbytes(n, len(group)),
                           "fp16_bytes": fp16_device_bytes(recipes[name].model, recipes[name].scheme, n, window, sink_frames,
                                                           len(group))}
-                attn = fp_cache.errors[name].sums if name in shadows else {}
+                attn = fp_cache.errors[name].sums if attention and name in shadows else {}
                 _track_worst(runs[name], results, ref, quant)
                 if on_rollout is not None:  # before the partial file: a reused file always has its sheets
                     on_rollout(name, first, ref, quant, truth if has_truth else None)
