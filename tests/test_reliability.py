@@ -270,6 +270,50 @@ def test_fit_twice_gives_byte_identical_recipe_files(model, tmp_path):
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
+FIT_IN_A_PROCESS = textwrap.dedent("""
+    import sys
+    from dataclasses import replace
+    import torch
+    from calibrate import calibration
+    from calibrate.config import Config, FitConfig, TrajectoriesConfig
+    from calibrate.recipe import save_recipe
+    from toys import make_tiny_world
+    cfg = Config()
+    cfg.trajectories = TrajectoriesConfig(families=["orbit", "revisit"], num_trajectories=2, num_frames=12)
+    cfg.fit = replace(FitConfig(), closed_loop_frames=8, closed_loop_trajectories=1, trace_frames=8, sample_tokens=128,
+                      clip_grid=[1.0, 0.8], rotations=["none", "hadamard"])
+    save_recipe(calibration.fit(cfg, make_tiny_world(0), torch.device("cpu"))[0], sys.argv[1])
+""")
+# what a recipe fitted on another CPU may differ in (README, "Reproducibility"): MKL picks its kernels
+# by CPU, so sums run in another order; measured here up to 2 ulps of the means, 1.6e-5 relative in
+# the units and 3.5e-5 in the PCA rotations (eigenvectors of near-equal eigenvalues move most)
+ANOTHER_CPU = {"mean": (1e-6, 0.0), "unit": (0.0, 1e-4), "rotation": (1e-4, 0.0)}  # role: (atol, rtol)
+
+
+def test_a_recipe_fitted_under_another_mkl_kernel_set_makes_the_same_choices(tmp_path):
+    """The same fit under MKL_CBWR=COMPATIBLE and AVX2 (two kernel sets of one machine, as two CPUs
+    would pick): the scheme (every choice) and every integer tensor are identical, the float
+    tensors agree within ANOTHER_CPU, the fit record differs only in its float scores."""
+    from safetensors import safe_open
+
+    paths = {}
+    for cbwr in ("COMPATIBLE", "AVX2"):
+        paths[cbwr] = tmp_path / f"{cbwr}.safetensors"
+        run = subprocess.run([sys.executable, "-c", FIT_IN_A_PROCESS, str(paths[cbwr])], cwd=REPO / "tests",
+                             env={**env(), "MKL_CBWR": cbwr}, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+    (meta_a, a), (meta_b, b) = ((f.metadata(), {k: f.get_tensor(k) for k in f.keys()})
+                                for f in (safe_open(str(paths[c]), "pt") for c in ("COMPATIBLE", "AVX2")))
+    assert {k: v for k, v in meta_a.items() if k != "fit"} == {k: v for k, v in meta_b.items() if k != "fit"}
+    assert a.keys() == b.keys()
+    for name in a:
+        if not a[name].is_floating_point():
+            assert torch.equal(a[name], b[name]), name
+        else:
+            atol, rtol = ANOTHER_CPU[name.rsplit(".", 1)[1]]
+            torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=name)
+
+
 @pytest.mark.slow  # 2 threads on a busy 2-core machine: minutes
 def test_thread_count_does_not_change_the_recipe_or_the_rollouts(model):
     """The CLI picks torch's thread count from the machine's load (__main__.torch_threads): a
