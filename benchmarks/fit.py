@@ -9,6 +9,8 @@ at a time at the same budget:
     ours_post_rotary     keys coded after the rotary encoding
     ours_no_pca          the model's channels as the basis (no PCA)
     ours_uniform_bits    the same width for every component (no water-filling)
+    ours_uncoded_as_variance  (an addition, not an ablation) water-filling that prices an uncoded
+                         component at its whole variance (fit/predictive.py)
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_closed_loop  the rollout-level selection off (closed_loop_scales=[1.0])
     ours_lambda0         no temporal term in the teacher-forced objective
@@ -54,6 +56,7 @@ ABLATIONS = {
     "ours_post_rotary": {"pre_rotary": False},
     "ours_no_pca": {"basis": "identity"},
     "ours_uniform_bits": {"bit_allocation": "uniform"},
+    "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance"},
     "ours_no_mixed": {"mixed_precision": False},
     "ours_no_closed_loop": {"closed_loop_scales": [1.0]},
     "ours_lambda0": {"lambda_temporal": 0.0},

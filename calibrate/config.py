@@ -43,7 +43,7 @@ SPLITS = ("auto", "train", "calibration", "evaluation")
 ROTATIONS = ("none", "hadamard", "learned")
 CODES = ("predictive", "scalar")
 BASES = ("pca", "identity")
-ALLOCATIONS = ("waterfill", "uniform")
+ALLOCATIONS = ("waterfill", "waterfill_variance", "uniform")
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3,
@@ -131,7 +131,7 @@ class FitConfig:
     temporal: bool = True  # tokens may be coded against the previous frame (false: every frame intra-coded)
     pre_rotary: bool = True  # keys coded before the rotary encoding when the model gives rotary coordinates
     basis: str = "pca"  # pca: each head's principal axes | identity: the model's channels
-    bit_allocation: str = "waterfill"  # waterfill: widths by variance | uniform: the same width everywhere
+    bit_allocation: str = "waterfill"  # waterfill: widths by variance | waterfill_variance (uncoded priced at its variance) | uniform
     intra_mults: list[float] = field(default_factory=lambda: [1.0, 1.3, 1.7])  # intra step / Gaussian-optimal step
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade

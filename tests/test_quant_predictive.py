@@ -181,6 +181,33 @@ def test_allocation_spends_the_budget_strongest_first():
     assert bits.tolist() == [4, 3, 2, 1, 0]
 
 
+def test_an_uncoded_component_costs_its_whole_variance():
+    """w = [4, 1], uncoded = [4, 50]: the first bit lowers component 1 from 50 to 1 * mse(1) (gain
+    49.64), more than component 0 from 4 to 4 * mse(1) (2.55); priced by w (the old allocation)
+    component 0 wins."""
+    w, uncoded = torch.tensor([4.0, 1.0]), torch.tensor([4.0, 50.0])
+    assert FP.allocate_bits(w, 1, uncoded_D=uncoded).tolist() == [0, 1]
+    assert FP.allocate_bits(w, 1).tolist() == [1, 0]
+    # then: component 0's first bit (gain 4 - 1.4536 = 2.55) beats component 1's second (1 * (0.3634 - 0.1188))
+    assert FP.allocate_bits(w, 2, uncoded_D=uncoded).tolist() == [1, 1]
+    torch.manual_seed(0)
+    w = torch.rand(16) * 10
+    assert torch.equal(FP.allocate_bits(w, 20, uncoded_D=w), FP.allocate_bits(w, 20))  # uncoded = w: the old rule
+
+
+def test_a_still_component_far_from_the_mean_is_coded():
+    """Variance 0.3 but no frame-to-frame change (a still camera's content): uncoded it makes the
+    same error of variance 0.3 in every frame, so `waterfill_variance` codes it; priced by its
+    change (w = 0.1 * 0.3, the default) it is left out."""
+    D = 8
+    cov = torch.diag(torch.tensor([0.3, 1.0, 0.8, 0.6, 0.5, 0.4, 0.2, 1e-6]))
+    delta = torch.diag(torch.tensor([1e-8, 0.3, 0.3, 0.3, 0.2, 0.2, 0.1, 1e-8]))
+    still = FP.fit_head(torch.zeros(D), cov, delta, 1.0, allocation="waterfill_variance")
+    old = FP.fit_head(torch.zeros(D), cov, delta, 1.0, allocation="waterfill")
+    first = lambda p: int(p.bits_D[torch.argmax(p.rotation_DD[0].abs())])  # the width of the still component
+    assert first(still) >= 1 and first(old) == 0
+
+
 def test_fitted_head_is_consistent():
     torch.manual_seed(3)
     D = 16

@@ -9,6 +9,11 @@ recording cache streams (stats.py). Then:
 2. **Bits**: widths b_i from a greedy reverse water-filling on the Gaussian distortion model
    D_i(b) = w_i g(b): each next bit goes to the component whose distortion it lowers most. Inter
    mode (most tokens) sees d_i^2, intra mode sigma_i^2; w_i = d_i^2 + intra_weight * sigma_i^2.
+   An uncoded component (b = 0) is 0 in both modes, so its real distortion is its whole variance
+   sigma_i^2, and leaving out one that barely changes makes the same error in every frame (the
+   noise twin's coherent error, evaluate/twin.py). `allocation="waterfill_variance"` prices
+   D_i(0) = sigma_i^2 accordingly; measured on held-out rollouts it scores the same as the
+   default (artifacts/benchmarks/fit.md, `ours_uncoded_as_variance`), so the default keeps w_i.
 3. **Steps**: the MSE-optimal uniform step of a Gaussian at b bits (`GAUSSIAN_STEP`, times
    sigma_i for intra and d_i for inter), scaled by the fitted multipliers.
 4. **Integer grid**: unit_i = min(intra step, inter step) / (2 * resolution), so both steps are
@@ -59,8 +64,9 @@ def gaussian_uniform_step(bits: int) -> float:
                                  options={"xatol": 1e-7}).x)
 
 
-def allocate_bits(weight_D: Tensor, total_bits: int, max_bits: int = MAX_BITS) -> Tensor:
-    """Integer widths [D] summing to `total_bits`: each bit where it lowers w_i * mse(b) the most.
+def allocate_bits(weight_D: Tensor, total_bits: int, max_bits: int = MAX_BITS, uncoded_D: Tensor | None = None) -> Tensor:
+    """Integer widths [D] summing to `total_bits`: each bit where it lowers the distortion most,
+    w_i * mse(b) for b >= 1 and `uncoded_D` (default w_i) for b = 0.
 
     Ties go to the lower index (the stronger principal component).
     """
@@ -69,9 +75,12 @@ def allocate_bits(weight_D: Tensor, total_bits: int, max_bits: int = MAX_BITS) -
         raise ValueError(f"cannot spend {total_bits} bits on {D} components of at most {max_bits} bits")
     mse = torch.tensor(GAUSSIAN_MSE + (0.0,), dtype=torch.float64)
     w = weight_D.double().clamp_min(0)
+    first = None if uncoded_D is None else uncoded_D.double().clamp_min(0) - w * mse[1]  # gain of a first bit
     bits = torch.zeros(D, dtype=torch.int64)
     for _ in range(total_bits):
         gain = w * (mse[bits] - mse[(bits + 1).clamp_max(max_bits + 1)])
+        if first is not None:
+            gain = torch.where(bits == 0, first, gain)
         gain[bits >= max_bits] = -1.0
         bits[int(torch.argmax(gain))] += 1  # argmax returns the first maximum
     return bits
@@ -88,6 +97,7 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
              rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill") -> PredictiveParams:
     """A head's predictive code spending `avg_bits` per component on average (see module docstring).
 
+    `allocation="waterfill_variance"` prices an uncoded component at its variance (module docstring).
     `temporal=False` sizes an intra-only code (widths by sigma^2 alone, the grid by the intra step);
     `allocation="uniform"` gives every component the same width (the ablation without water-filling).
     """
@@ -103,7 +113,8 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
         bits = torch.full((D,), total // D, dtype=torch.int64)
         bits[: total - int(bits.sum())] += 1
     else:
-        bits = allocate_bits(delta.pow(2) + intra_weight * sigma.pow(2) if temporal else sigma.pow(2), total)
+        w = delta.pow(2) + intra_weight * sigma.pow(2) if temporal else sigma.pow(2)
+        bits = allocate_bits(w, total, uncoded_D=sigma.pow(2) if allocation == "waterfill_variance" else None)
     g = torch.tensor(GAUSSIAN_STEP)[bits]
     s_intra, s_inter = g * sigma * intra_mult, g * delta * inter_mult
     if not temporal:
