@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
               f"CPU, torch threads {torch.get_num_threads()}.\n\n`ours` is the shipped recipe "
               f"(`recipes/{args.model}-ours-2bit.safetensors`).\n\n")
     title, _, rest = md.partition("\n")
+    # report.md names the command of the process that made it: this script's arguments, not a calibrate command
+    rest = re.sub(r"\nCommand: `python -m calibrate [^\n]*\n", "\n", rest, count=1)
     write_text_atomic(out / f"{args.name}.md", f"{title}\n\n{header}{equal_memory(rep)}\n{rest}")
     print(f"wrote {out / (args.name + '.md')} ({minutes:.1f} min)")
     return 0
