@@ -1,9 +1,11 @@
 """Study: where the shipped recipe's coherent error comes from, and three encoder changes tried.
 
     python -m benchmarks.coherence_study [--frames 256] [--out artifacts/benchmarks]
+    python -m benchmarks.coherence_study --model wanworld --frames 96 --variants shipped,subtractive
 
-Writes `coherence_study.md` + `.json`. Two parts, on held-out TinyWorld rollouts (evaluation
-seeds, one trajectory per family):
+Writes `coherence_study.md` + `.json` (`coherence_study_<model>` for another model than
+TinyWorld) for the model's shipped recipe (`recipes/<model>-ours-2bit`). Two parts, on held-out
+rollouts (evaluation seeds, one trajectory per family):
 
 1. **Where the stored error lies** (static, pan, orbit; teacher-forced on the fp rollout's K/V):
    per layer, K and V, the stored SQNR of the shipped recipe's predictive code, the share of the
@@ -17,6 +19,11 @@ seeds, one trajectory per family):
    0.1 dB per family: the runtime's float arithmetic differs in the last bits).
    - `stochastic`: codes rounded up with probability equal to the fraction (non-subtractive
      dither, seeded): decorrelates the rounding from the content;
+   - `subtractive`: subtractive dither that keeps the integer states: a seeded offset d in
+     [-1/2, 1/2) per frame, token and coded component shifts this frame's levels by 2 s d (s the
+     mode's step; levels are 2 s apart), the encoder picks the code nearest to the target on the
+     shifted levels, the decoder adds 2 s d to the value, and the chain carries the integer state:
+     the error is uniform and independent of the content and of the last frame's;
    - `adaptive E`: each (token, component) inter step scaled by 2^e, e in [-E, 1], from the last
      code (backward adaptation as in ADPCM/CVSD, nothing sent): b >= 2: the outermost code grows
      the step, the innermost shrinks it; b = 1: the same sign as the last code grows it, else
@@ -35,11 +42,12 @@ import time
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 
 from calibrate import pipeline
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
-from calibrate.config import Config
+from calibrate.config import CONF_DIR, to_config
 from calibrate.evaluate import metrics as M
 from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
 from calibrate.io import write_text_atomic
@@ -50,8 +58,7 @@ from calibrate.replay import rollout_batch
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import make_trajectories
 
-RECIPE = "recipes/tinyworld-ours-2bit.safetensors"
-VARIANTS = {"shipped": ("nearest", 0), "stochastic": ("stochastic", 0), "adaptive 1": ("nearest", 1),
+VARIANTS = {"shipped": ("nearest", 0), "stochastic": ("stochastic", 0), "subtractive": ("subtractive", 0), "adaptive 1": ("nearest", 1),
             "adaptive 2": ("nearest", 2), "adaptive 3": ("nearest", 3)}
 
 
@@ -63,6 +70,7 @@ class HeadCoder:
         f = 2**adapt  # a grid 2^E finer: e = 0 is the fitted step
         self.unit, self.intra, self.limit, self.n = p.unit_D / f, p.intra_step_D * f, p.limit_D * f, p.levels_D
         self.v = self.e = self.sign = None
+        self.x = None  # the reconstruction in units (states plus dither)
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "stochastic":
@@ -72,19 +80,24 @@ class HeadCoder:
     def code(self, x_BTD: torch.Tensor) -> torch.Tensor:
         p, n = self.p, self.n
         tau = ((x_BTD.float() - p.mean_D) @ p.rotation_DD) / self.unit
-        c_i = torch.clamp(self._round((tau / self.intra + n) / 2), torch.zeros_like(n), n).long()
+        d = torch.zeros_like(tau)
+        if self.rounding == "subtractive":  # 0 on uncoded components (they have no levels)
+            d = (torch.rand(tau.shape, generator=self.gen) - 0.5) * (p.bits_D > 0)
+        c_i = torch.clamp(self._round(((tau - 2 * self.intra * d) / self.intra + n) / 2), torch.zeros_like(n), n).long()
         v_i = self.intra * (2 * c_i - n)
+        x_i = v_i + 2 * self.intra * d
         if self.v is None:
-            self.v, self.e, self.sign = v_i, torch.zeros_like(v_i), torch.zeros_like(v_i)
+            self.v, self.e, self.sign, self.x = v_i, torch.zeros_like(v_i), torch.zeros_like(v_i), x_i
             return self._values()
         s = p.inter_step_D * 2 ** (self.e + self.E)
         lo = (-torch.div(self.v + self.limit - n * s, 2 * s, rounding_mode="floor")).clamp_min(0)
         hi = torch.minimum(torch.div(n * s + self.limit - self.v, 2 * s, rounding_mode="floor"), n.expand_as(self.v))
-        c = self._round(((tau - self.v.float()) / s.float() + n) / 2)
+        c = self._round(((tau - self.v.float() - 2 * s * d) / s.float() + n) / 2)
         c = torch.minimum(torch.maximum(c, lo.float()), hi.float()).long()
         v_p = self.v + s * (2 * c - n)
+        x_p = v_p + 2 * s * d
         w = self.unit**2
-        inter = (((tau - v_p.float()) ** 2 * w).sum(-1) <= ((tau - v_i.float()) ** 2 * w).sum(-1)).unsqueeze(-1)
+        inter = (((tau - x_p) ** 2 * w).sum(-1) <= ((tau - x_i) ** 2 * w).sum(-1)).unsqueeze(-1)
         q = 2 * c - n
         if self.E:
             one_bit = n == 1
@@ -93,10 +106,11 @@ class HeadCoder:
             self.e = torch.where(inter, (self.e + grow.long() - shrink.long()).clamp(-self.E, 1), 0)
         self.sign = torch.where(inter, q.sign(), 0)
         self.v = torch.where(inter, v_p, v_i)
+        self.x = torch.where(inter, x_p, x_i)
         return self._values()
 
     def _values(self) -> torch.Tensor:
-        return (self.unit * self.v.float()) @ self.p.rotation_DD.T + self.p.mean_D
+        return (self.unit * self.x.float()) @ self.p.rotation_DD.T + self.p.mean_D
 
 
 class FakePredictiveCache(KVCache):
@@ -108,11 +122,41 @@ class FakePredictiveCache(KVCache):
         self.coders = [{kv: [HeadCoder(head_params(recipe.layer_tensors(layer, kv), h), rounding, adapt, gen)
                              for h in range(recipe.model.num_kv_heads)] for kv in "kv"}
                        for layer in range(self.num_layers)]
+        self.cov = None  # sums of e e^T of the stored error (keys pre-rotary), [B, L, 2, H, D, D] float64
+        self.count = torch.zeros(self.num_layers)  # tokens summed per trajectory
 
     def append(self, layer, k_BHTD, v_BHTD, key_rope) -> int:
         k = torch.stack([c.code(k_BHTD[:, h]) for h, c in enumerate(self.coders[layer]["k"])], 1)
         v = torch.stack([c.code(v_BHTD[:, h]) for h, c in enumerate(self.coders[layer]["v"])], 1)
+        B, H, T, D = k.shape
+        if self.cov is None:
+            self.cov = torch.zeros(B, self.num_layers, 2, H, D, D, dtype=torch.float64)
+        for i, (x_hat, x) in enumerate(((k, k_BHTD), (v, v_BHTD))):
+            e = (x_hat - x).double()
+            self.cov[:, layer, i] += torch.einsum("bhtd,bhte->bhde", e, e)
+        self.count[layer] += T
         return super().append(layer, k, v, key_rope)
+
+
+class GaussianTwinCache(KVCache):
+    """The fp cache plus N(0, C) on every stored token's keys (before the rotary) and values, C one
+    covariance per trajectory, layer, K/V and head [B, L, 2, H, D, D]: C = the scheme's error
+    covariance is its *shaped* twin (the same directions, independent across tokens and frames);
+    C = its trace / D times the identity is the isotropic twin of evaluate/twin.py (rotation-invariant)."""
+
+    def __init__(self, num_layers: int, window: int, sink_frames: int, cov: torch.Tensor, seed: int = TWIN_SEED):
+        super().__init__(num_layers, window, sink_frames)
+        evals, evecs = torch.linalg.eigh(cov)
+        self.root = (evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)).float()  # C = root root^T
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _noise(self, x_BHTD: torch.Tensor, root_BHDD: torch.Tensor) -> torch.Tensor:
+        z = torch.randn(x_BHTD.shape, generator=self.gen)
+        return x_BHTD + torch.einsum("bhte,bhde->bhtd", z, root_BHDD).to(x_BHTD.dtype)
+
+    def append(self, layer, k_BHTD, v_BHTD, key_rope) -> int:
+        root = self.root[:, layer]
+        return super().append(layer, self._noise(k_BHTD, root[:, 0]), self._noise(v_BHTD, root[:, 1]), key_rope)
 
 
 class _Recorder(KVCache):
@@ -125,21 +169,23 @@ class _Recorder(KVCache):
         self.kv.setdefault((seen.layer, "v"), []).append(seen.v_BHTD)
 
 
-def where_the_error_lies(world, recipe, families: list[str], frames: int, device) -> list[dict]:
+def where_the_error_lies(world, recipe, families: list[str], frames: int, window: int, sinks: int, device) -> list[dict]:
     rows = []
     for family in families:
-        rec = _Recorder(world.info.num_layers, 16, 1)
+        rec = _Recorder(world.info.num_layers, window, sinks)
         rollout_batch(world, make_trajectories([family], "evaluation", 1, frames), rec, device, keep_frames=False)
         for (layer, kv), xs in sorted(rec.kv.items()):
             x = torch.stack(xs, 2)[0]  # [H, F, T, D]
             tensors = recipe.layer_tensors(layer, kv)
-            sig = err = 0.0
+            sig = err = eu = uu = 0.0
             parts = {True: [0.0, 0.0], False: [0.0, 0.0]}  # uncoded? -> [error energy, static energy] (frames 16+)
             for h in range(x.shape[0]):
                 p = head_params(tensors, h)
                 xh = x[h : h + 1]
                 e = (P.fake_quant_sequence(xh, p) - xh) @ p.rotation_DD  # error in the code's basis
+                u = (xh - p.mean_D) @ p.rotation_DD  # the centred signal in the same basis
                 sig, err = sig + float(xh.double().pow(2).sum()), err + float(e.double().pow(2).sum())
+                eu, uu = eu + float((e.double() * u.double()).sum()), uu + float(u.double().pow(2).sum())
                 late = e[:, 16:].double()
                 for uncoded in (True, False):
                     sel = late[..., (p.bits_D == 0) == uncoded]
@@ -148,41 +194,62 @@ def where_the_error_lies(world, recipe, families: list[str], frames: int, device
             total = parts[True][0] + parts[False][0]
             rows.append({"family": family, "layer": layer, "kv": kv, "sqnr_db": 10 * torch.log10(torch.tensor(sig / err)).item(),
                          "uncoded_share": parts[True][0] / total,
+                         # the error's regression on the centred signal: e = -beta u + rest (beta > 0: shrinkage)
+                         "shrink": -eu / uu, "shrink_share": (eu / uu) ** 2 * uu / err,
                          "uncoded_static": parts[True][1] / max(parts[True][0], 1e-30),
                          "coded_static": parts[False][1] / max(parts[False][0], 1e-30)})
     return rows
 
 
-def roll_variant(world, recipe, trajs, rounding: str, adapt: int, device) -> dict:
-    """PSNR vs fp per window and family of one variant and its noise twin, and its stored SQNR."""
+def roll_variant(world, recipe, trajs, rounding: str, adapt: int, window: int, sinks: int, device,
+                 shape: bool = False) -> dict:
+    """PSNR vs fp per window and family of one variant and its noise twin, and its stored SQNR; with
+    `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`)."""
     L = world.info.num_layers
-    make = lambda: FakePredictiveCache(recipe, 16, 1, rounding, adapt)
-    fp = ShadowCache(L, 16, 1, {"x": make()}, attention=False)
+    make = lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt)
+    fp = ShadowCache(L, window, sinks, {"x": make()}, attention=False)
     ref, truth = rollout_batch(world, trajs, fp, device)
     quant, _ = rollout_batch(world, trajs, make(), device, truth=truth)
     stored = fp.stored["x"]
-    twin, _ = rollout_batch(world, trajs, NoiseTwinCache(L, 16, 1, stored.noise_std(), TWIN_SEED), device, truth=truth)
+    twin, _ = rollout_batch(world, trajs, NoiseTwinCache(L, window, sinks, stored.noise_std(), TWIN_SEED), device, truth=truth)
+    shaped = None
+    if shape:  # the same stored error (as stored, each token once) with its directions kept, or spread evenly
+        fake = fp.shadows["x"]
+        cov = fake.cov / fake.count.view(1, -1, 1, 1, 1, 1).double()
+        D = cov.shape[-1]
+        iso = torch.diagonal(cov, dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1) / D * torch.eye(D, dtype=cov.dtype)
+        shaped = {name: rollout_batch(world, trajs, GaussianTwinCache(L, window, sinks, c), device, truth=truth)[0]
+                  for name, c in (("shaped", cov), ("isotropic", iso))}
     sqnr = stored.sqnr_db().mean(1)  # [B, 2]: mean over layers
     out = {}
     for b, t in enumerate(trajs):
         out[t.family] = {"sqnr_k": float(sqnr[b, 0]), "sqnr_v": float(sqnr[b, 1]),
                          "scheme": M.window_means(M.psnr(quant[b], ref[b])), "twin": M.window_means(M.psnr(twin[b], ref[b])),
                          "flicker": float(M.flicker_series(quant[b], ref[b]).mean())}
+        for name, frames in (shaped or {}).items():
+            out[t.family][name] = M.window_means(M.psnr(frames[b], ref[b]))
     return out
 
 
-def markdown(decomp: list[dict], variants: dict, command: str, minutes: float, frames: int) -> str:
+def markdown(decomp: list[dict], variants: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
     lines = ["# Coherent error of the shipped recipe: where it lies, and three encoder changes tried", "",
              f"Command: `{command}`, {minutes:.1f} min on this 2-core CPU (torch threads {torch.get_num_threads()}, "
-             "the other core busy). Held-out TinyWorld rollouts (evaluation seeds, one per family), "
-             f"{frames} frames, window 16 + 1 sink, `{RECIPE}`. The method is in the module docstring of "
+             "the other core busy). Held-out rollouts (evaluation seeds, one per family), "
+             f"{frames} frames, `{recipe}`. The method is in the module docstring of "
              "`benchmarks/coherence_study.py`.", "",
              "## 1. Where the stored error lies (teacher-forced)", "",
+             "Shrinkage: the error regressed on the centred signal, e = -beta u + rest; beta > 0 means the code "
+             "pulls values toward the mean (uncoded components, clipped tails), which moves every history key's "
+             "logit the same way, unlike noise.", "",
              "| family | layer | K/V | stored SQNR dB | share of the error in uncoded components | of it, the same in every frame "
-             "| coded components' error, the same in every frame |", "|---|---|---|---|---|---|---|"]
+             "| coded components' error, the same in every frame | shrinkage beta | share of the error it explains |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in decomp:
         lines.append(f"| {r['family']} | {r['layer']} | {r['kv'].upper()} | {r['sqnr_db']:.1f} | {100 * r['uncoded_share']:.0f}% "
-                     f"| {100 * r['uncoded_static']:.0f}% | {100 * r['coded_static']:.0f}% |")
+                     f"| {100 * r['uncoded_static']:.0f}% | {100 * r['coded_static']:.0f}% | {r['shrink']:.4f} "
+                     f"| {100 * r['shrink_share']:.0f}% |")
+    if not variants:
+        return "\n".join(lines) + "\n"
     fams = list(next(iter(variants.values())))
     windows = list(next(iter(variants.values()))[fams[0]]["scheme"])
     late = windows[-1]
@@ -195,6 +262,18 @@ def markdown(decomp: list[dict], variants: dict, command: str, minutes: float, f
         mean = sum(res[f]["scheme"][late] for f in fams) / len(fams)
         flick = sum(res[f]["flicker"] for f in fams) / len(fams)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean:.2f} | {flick:.5f} |")
+    shipped = variants.get("shipped", {})
+    if "shaped" in shipped.get(fams[0], {}):
+        lines += ["", "### Time or direction? The shipped recipe against twins of two shapes", "",
+                  "Both twins draw independent Gaussian error per token and frame from the recipe's stored error "
+                  "covariance per trajectory, layer, K/V and head (keys before the rotary), each token counted once: "
+                  "*shaped* keeps its directions, *isotropic* spreads its power evenly (as evaluate/twin.py does). "
+                  "If the shaped twin falls to the scheme, the error hurts by where it points; if it stays with the "
+                  f"isotropic one, by repeating over tokens and frames. PSNR vs fp, frames {late}:", "",
+                  "| family | scheme | shaped twin | isotropic twin |", "|---|---|---|---|"]
+        for f in fams:
+            r = shipped[f]
+            lines.append(f"| {f} | {r['scheme'][late]:.1f} | {r['shaped'][late]:.1f} | {r['isotropic'][late]:.1f} |")
     lines += ["", "Every window, mean over the families:", "", "| variant | " + " | ".join(windows) + " |",
               "|---|" + "---|" * len(windows)]
     for name, res in variants.items():
@@ -207,19 +286,27 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=256)
     p.add_argument("--out", default="artifacts/benchmarks")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--model", default="tinyworld", help="a conf/model preset with a shipped recipe (tinyworld, wanworld)")
     args = p.parse_args(argv)
     t0 = time.time()
-    cfg, device = Config(), torch.device("cpu")
+    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
+    device = torch.device("cpu")
     world = as_world(pipeline.load_world(cfg, device))
-    recipe = load_recipe(RECIPE, world.info)
-    decomp = where_the_error_lies(world, recipe, ["static", "pan", "orbit"], min(args.frames, 128), device)
+    path = pipeline.ours_recipe(world.info)
+    recipe = load_recipe(path, world.info)
+    window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
+    decomp = where_the_error_lies(world, recipe, ["static", "pan", "orbit"], min(args.frames, 128), window, sinks, device)
     trajs = make_trajectories(["static", "pan", "orbit", "dolly"], "evaluation", 4, args.frames)
-    variants = {name: roll_variant(world, recipe, trajs, *VARIANTS[name], device) for name in args.variants.split(",")}
+    variants = {name: roll_variant(world, recipe, trajs, *VARIANTS[name], window, sinks, device, shape=name == "shipped")
+                for name in args.variants.split(",") if name}
     command = "python -m benchmarks.coherence_study " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(decomp, variants, command, (time.time() - t0) / 60, args.frames)
+    md = markdown(decomp, variants, command, (time.time() - t0) / 60, args.frames,
+                  f"recipes/{path.name}, window {window} + {sinks} sink")
     out = Path(args.out)
-    write_text_atomic(out / "coherence_study.md", md)
-    write_text_atomic(out / "coherence_study.json", json.dumps({"decomposition": decomp, "variants": variants}, indent=1))
+    name = "coherence_study" if args.model == "tinyworld" else f"coherence_study_{args.model}"
+    write_text_atomic(out / f"{name}.md", md)
+    write_text_atomic(out / f"{name}.json", json.dumps({"decomposition": decomp, "variants": variants}, indent=1))
     print(md)
     return 0
 
