@@ -28,7 +28,10 @@ rollouts (evaluation seeds, one trajectory per family):
      code (backward adaptation as in ADPCM/CVSD, nothing sent): b >= 2: the outermost code grows
      the step, the innermost shrinks it; b = 1: the same sign as the last code grows it, else
      shrinks it; an intra token resets e = 0. The finer grid it needs costs about E bits per
-     coded component in every anchor, plus e's own state there, which this study does not count.
+     coded component in every anchor, plus e's own state there, which this study does not count;
+   - `unit x1.5`, `unit x2`: every head's `unit` times 1.5 or 2 (every level and step coarser by
+     that factor, the anchors' reach wider, the same bits; nothing refitted): are the fitted steps
+     where the rollout wants them (issue 28 item 4)?
 
 Nothing here changes the package; it measures before the format would change.
 """
@@ -36,6 +39,7 @@ Nothing here changes the package; it measures before the format would change.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -58,8 +62,9 @@ from calibrate.replay import rollout_batch
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import make_trajectories
 
-VARIANTS = {"shipped": ("nearest", 0), "stochastic": ("stochastic", 0), "subtractive": ("subtractive", 0), "adaptive 1": ("nearest", 1),
-            "adaptive 2": ("nearest", 2), "adaptive 3": ("nearest", 3)}
+VARIANTS = {"shipped": ("nearest", 0, 1.0), "stochastic": ("stochastic", 0, 1.0), "subtractive": ("subtractive", 0, 1.0),
+            "adaptive 1": ("nearest", 1, 1.0), "adaptive 2": ("nearest", 2, 1.0), "adaptive 3": ("nearest", 3, 1.0),
+            "unit x1.5": ("nearest", 0, 1.5), "unit x2": ("nearest", 0, 2.0)}  # (rounding, E, unit scale)
 
 
 class HeadCoder:
@@ -116,10 +121,12 @@ class HeadCoder:
 class FakePredictiveCache(KVCache):
     """The fp cache holding each frame as a predictive recipe reconstructs it (keys coded pre-rotary)."""
 
-    def __init__(self, recipe, window: int, sink_frames: int, rounding: str = "nearest", adapt: int = 0, seed: int = 0):
+    def __init__(self, recipe, window: int, sink_frames: int, rounding: str = "nearest", adapt: int = 0,
+                 unit_scale: float = 1.0, seed: int = 0):
         super().__init__(recipe.model.num_layers, window, sink_frames)
         gen = torch.Generator().manual_seed(seed)
-        self.coders = [{kv: [HeadCoder(head_params(recipe.layer_tensors(layer, kv), h), rounding, adapt, gen)
+        scaled = lambda p: dataclasses.replace(p, unit_D=p.unit_D * unit_scale)  # every level and step, same bits
+        self.coders = [{kv: [HeadCoder(scaled(head_params(recipe.layer_tensors(layer, kv), h)), rounding, adapt, gen)
                              for h in range(recipe.model.num_kv_heads)] for kv in "kv"}
                        for layer in range(self.num_layers)]
         self.cov = None  # sums of e e^T of the stored error (keys pre-rotary), [B, L, 2, H, D, D] float64
@@ -201,12 +208,12 @@ def where_the_error_lies(world, recipe, families: list[str], frames: int, window
     return rows
 
 
-def roll_variant(world, recipe, trajs, rounding: str, adapt: int, window: int, sinks: int, device,
+def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: float, window: int, sinks: int, device,
                  shape: bool = False) -> dict:
     """PSNR vs fp per window and family of one variant and its noise twin, and its stored SQNR; with
     `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`)."""
     L = world.info.num_layers
-    make = lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt)
+    make = lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt, unit_scale)
     fp = ShadowCache(L, window, sinks, {"x": make()}, attention=False)
     ref, truth = rollout_batch(world, trajs, fp, device)
     quant, _ = rollout_batch(world, trajs, make(), device, truth=truth)
