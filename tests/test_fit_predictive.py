@@ -170,3 +170,18 @@ def test_incremental_mixed_precision_takes_the_reference_greedy_steps(model, bud
     want = _reference_allocate(info, traces, refs, theirs, fit_cfg, 16, 1, coords)
     assert got and got == want
     assert [[f[k].heads for k in ("k", "v")] for f in mine] == [[f[k].heads for k in ("k", "v")] for f in theirs]
+
+
+def test_a_grid_whose_top_most_heads_chose_is_named():
+    """WanWorld's shipped recipe: intra_mult 1.7, the top of the default grid, in every head."""
+    from calibrate.config import FitConfig
+    from calibrate.fit.predictive_search import grid_edges
+
+    cfg = FitConfig()
+    top, mid = max(cfg.intra_mults), cfg.inter_mults[1]
+    layers = [{"k": {"intra_mult": [top, top], "inter_mult": [mid, mid]},
+               "v": {"intra_mult": [top, 1.0], "inter_mult": [mid, max(cfg.inter_mults)]}}]
+    (line,) = grid_edges(layers, cfg)
+    assert line.startswith(f"fit: 3 of 4 heads chose intra_mult {top}, the largest of fit.intra_mults")
+    layers[0]["k"]["intra_mult"] = [1.0, 1.0]  # 1 of 4 at the top: no line
+    assert grid_edges(layers, cfg) == []

@@ -23,6 +23,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -41,6 +43,7 @@ from calibrate.quant.predictive import MAX_BITS, fake_quant_sequence
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
 
+log = logging.getLogger(__name__)
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
 MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
@@ -164,6 +167,8 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
                                                                                  entry[kind]["inter_mult"])])
                      for kind in KINDS})
         record["layers"].append(entry)
+    for line in grid_edges(record["layers"], cfg):
+        log.warning(line)
     recipe = assemble(info, fits, cfg, rotary_coords)
     record["base_bits"] = bits_per_element(info, recipe.scheme, window, sink_frames)
     record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords, shard) \
@@ -202,6 +207,22 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
                        "why": "lowest teacher-forced objective per head over fit.intra_mults x fit.inter_mults",
                        "scores": [[round(float(s[h]), 6) for h in range(H)] for s in scores]}
     return entry
+
+
+def grid_edges(layers: list[dict], cfg: FitConfig) -> list[str]:
+    """One line per step grid whose largest value most heads chose: the best step may lie beyond
+    the grid (WanWorld's shipped recipe took intra_mult 1.7, the top of the default grid, in every
+    head; doubling its intra steps gains ~8 dB in coherence_study_wanworld.md)."""
+    out = []
+    for role, grid in (("intra_mult", cfg.intra_mults), ("inter_mult", cfg.inter_mults)):
+        top = max(grid)
+        chosen = [m for entry in layers for kind in KINDS for m in entry[kind][role]]
+        at_top = sum(m == top for m in chosen)
+        if len(grid) > 1 and chosen and 2 * at_top > len(chosen):
+            out.append(f"fit: {at_top} of {len(chosen)} heads chose {role} {top}, the largest of fit.{role}s "
+                       f"{list(grid)}: the best step may lie beyond it; widen the grid, e.g. "
+                       f"fit.{role}s=[{','.join(str(g) for g in sorted(grid))},{round(top * 1.3, 1)},{round(top * 1.8, 1)}]")
+    return out
 
 
 def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int) -> float:
