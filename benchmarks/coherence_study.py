@@ -32,6 +32,10 @@ rollouts (evaluation seeds, one trajectory per family):
    - `unit x1.5`, `unit x2`: every head's `unit` times 1.5 or 2 (every level and step coarser by
      that factor, the anchors' reach wider, the same bits; nothing refitted): are the fitted steps
      where the rollout wants them (issue 28 item 4)?
+   - `reach x2`: the same levels and steps, one more anchor bit per coded component, so a state
+     may go twice as far from the mean before the encoder clamps it (+1 bit in anchor frames only);
+   - `intra x2`: intra levels twice as far apart, inter steps as fitted (this study lets intra
+     states beyond the anchors' range stand; a recipe would need wider anchors).
 
 Nothing here changes the package; it measures before the format would change.
 """
@@ -64,7 +68,8 @@ from calibrate.world.trajectories import make_trajectories
 
 VARIANTS = {"shipped": ("nearest", 0, 1.0), "stochastic": ("stochastic", 0, 1.0), "subtractive": ("subtractive", 0, 1.0),
             "adaptive 1": ("nearest", 1, 1.0), "adaptive 2": ("nearest", 2, 1.0), "adaptive 3": ("nearest", 3, 1.0),
-            "unit x1.5": ("nearest", 0, 1.5), "unit x2": ("nearest", 0, 2.0)}  # (rounding, E, unit scale)
+            "unit x1.5": ("nearest", 0, 1.5), "unit x2": ("nearest", 0, 2.0),
+            "reach x2": ("nearest", 0, "reach"), "intra x2": ("nearest", 0, "intra")}  # (rounding, E, unit scale or what)
 
 
 class HeadCoder:
@@ -122,10 +127,15 @@ class FakePredictiveCache(KVCache):
     """The fp cache holding each frame as a predictive recipe reconstructs it (keys coded pre-rotary)."""
 
     def __init__(self, recipe, window: int, sink_frames: int, rounding: str = "nearest", adapt: int = 0,
-                 unit_scale: float = 1.0, seed: int = 0):
+                 unit_scale: float | str = 1.0, seed: int = 0):
         super().__init__(recipe.model.num_layers, window, sink_frames)
         gen = torch.Generator().manual_seed(seed)
-        scaled = lambda p: dataclasses.replace(p, unit_D=p.unit_D * unit_scale)  # every level and step, same bits
+        if unit_scale == "reach":  # the same levels and steps; states may go twice as far (one more anchor bit)
+            scaled = lambda p: dataclasses.replace(p, anchor_bits_D=torch.where(p.bits_D > 0, p.anchor_bits_D + 1, 0))
+        elif unit_scale == "intra":  # intra levels twice as far apart (states beyond the anchor range allowed)
+            scaled = lambda p: dataclasses.replace(p, intra_step_D=p.intra_step_D * 2)
+        else:  # every level and step, same bits
+            scaled = lambda p: dataclasses.replace(p, unit_D=p.unit_D * unit_scale)
         self.coders = [{kv: [HeadCoder(scaled(head_params(recipe.layer_tensors(layer, kv), h)), rounding, adapt, gen)
                              for h in range(recipe.model.num_kv_heads)] for kv in "kv"}
                        for layer in range(self.num_layers)]
@@ -208,7 +218,7 @@ def where_the_error_lies(world, recipe, families: list[str], frames: int, window
     return rows
 
 
-def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: float, window: int, sinks: int, device,
+def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: float | str, window: int, sinks: int, device,
                  shape: bool = False) -> dict:
     """PSNR vs fp per window and family of one variant and its noise twin, and its stored SQNR; with
     `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`)."""
