@@ -224,7 +224,7 @@ def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: fl
     `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`)."""
     L = world.info.num_layers
     make = lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt, unit_scale)
-    fp = ShadowCache(L, window, sinks, {"x": make()}, attention=False)
+    fp = ShadowCache(L, window, sinks, {"x": make()}, attention=False, stored=True)
     ref, truth = rollout_batch(world, trajs, fp, device)
     quant, _ = rollout_batch(world, trajs, make(), device, truth=truth)
     stored = fp.stored["x"]

@@ -200,9 +200,8 @@ def twin_lines(by: dict, fams: list[str]) -> list[str]:
         twin = r.get("twin") or {}
         if not twin:
             continue
-        cell = lambda g: (f"{g['windows']['128-256']['scheme']:.1f} / {g['windows']['128-256']['twin']:.1f} "
-                          f"({g['windows']['128-256']['gap']:+.1f})" if g and "128-256" in g["windows"] else "-")
-        k, v = (sum(twin["all"]["sqnr_db"][x]) / len(twin["all"]["sqnr_db"][x]) for x in ("k", "v"))
+        cell = lambda g: report_mod.twin_cell((g or {}).get("windows", {}).get("128-256"))
+        k, v = report_mod.mean_sqnr(twin["all"])
         lines.append(f"| {name} | {k:.1f} | {v:.1f} | " + " | ".join(cell(twin["families"].get(f)) for f in fams)
                      + f" | {cell(twin['all'])} |")
     return lines

@@ -15,8 +15,9 @@ history, and accumulates:
 It also measures each quantized cache's *stored* error (`StoredError`): every time a frame
 attends, the history a shadow holds (its decoded K/V, post-rotary) against the fp history of the
 same frames, per trajectory, layer, K/V and head. A frame counts once per step it is attended
-to, so this is the error attention sees, recent full-precision frames and sinks included. With
-`attention=False` only that is measured (the noise twin's input, evaluate/twin.py).
+to, so this is the error attention sees, recent full-precision frames and sinks included. It is
+measured only when asked (`stored=True`: the noise twin's input, evaluate/twin.py), and with
+`attention=False` it is all that is measured.
 
 The quantized caches never influence the rollout, so every scheme is measured on exactly the
 same K/V: this is the "history quantized, teacher-forced from the fp K/V" objective that the
@@ -58,9 +59,9 @@ class StoredError:
             self.sig2[:, layer, i] += r64.pow(2).sum((-2, -1)).cpu()
         self.count[layer] += k_ref.shape[-2] * k_ref.shape[-1]
 
-    def sqnr_db(self, dims: tuple[int, ...] = (-1,)) -> Tensor:
-        """10 log10(signal / error) after summing over `dims` (default: heads -> [B, L, 2])."""
-        return 10 * torch.log10(self.sig2.sum(dims) / self.err2.sum(dims).clamp_min(1e-300))
+    def sqnr_db(self) -> Tensor:
+        """10 log10(signal / error) of each trajectory, layer and K/V, summed over heads: [B, L, 2]."""
+        return 10 * torch.log10(self.sig2.sum(-1) / self.err2.sum(-1).clamp_min(1e-300))
 
     def noise_std(self) -> Tensor:
         """The root-mean-square stored error per element, [B, L, 2, H]: the noise twin's std."""
@@ -106,10 +107,11 @@ class ShadowCache(KVCache):
     """The full-precision cache that also feeds `shadows` every frame and compares their attention."""
 
     def __init__(self, num_layers: int, window: int, sink_frames: int, shadows: dict[str, KVCache],
-                 attention: bool = True):
+                 attention: bool = True, stored: bool = False):
         super().__init__(num_layers, window, sink_frames)
         self.shadows = shadows
         self.attention = attention
+        self.measure_stored = stored
         self.errors = {name: AttentionError(num_layers) for name in shadows}
         self.stored: dict[str, StoredError] = {}
         self._prev_err: dict[tuple[str, int], Tensor] = {}
@@ -127,13 +129,8 @@ class ShadowCache(KVCache):
         for name, cache in self.shadows.items():
             cache.append(layer, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
         reads = {name: cache.gather(layer, seen.k_rot_BHTD, seen.v_BHTD) for name, cache in self.shadows.items()}
-        held = seen.k_BHND.shape[2] - T  # history tokens (the fresh frame is last and never stored)
-        for name, (kq, vq) in reads.items():
-            if name not in self.stored:
-                self.stored[name] = StoredError.zeros(q_BHTD.shape[0], self.num_layers, seen.k_BHND.shape[1])
-            if held:
-                self.stored[name].add(layer, kq[:, :, :held], vq[:, :, :held], seen.k_BHND[:, :, :held],
-                                      seen.v_BHND[:, :, :held])
+        if self.measure_stored:
+            self._add_stored(layer, reads, seen)
         if not self.attention:
             return
         biases = {name: cache.logit_bias(layer, q_BHTD) for name, cache in self.shadows.items()}  # key-noise corrections
@@ -159,3 +156,13 @@ class ShadowCache(KVCache):
                 values.update(dt2=(err - prev).pow(2).sum().item(), dt_rows=rows_total)
             self._prev_err[(name, layer)] = err
             self.errors[name].add(layer, **values)
+
+    def _add_stored(self, layer: int, reads: dict[str, tuple[Tensor, Tensor]], seen: Attended) -> None:
+        """Each shadow's held history (everything but the fresh frame, which is last) against the fp history."""
+        held = seen.k_BHND.shape[2] - seen.q_BHTD.shape[2]
+        for name, (kq, vq) in reads.items():
+            if name not in self.stored:
+                self.stored[name] = StoredError.zeros(seen.q_BHTD.shape[0], self.num_layers, seen.k_BHND.shape[1])
+            if held:
+                self.stored[name].add(layer, kq[:, :, :held], vq[:, :, :held], seen.k_BHND[:, :, :held],
+                                      seen.v_BHND[:, :, :held])

@@ -33,7 +33,7 @@ def frames(n: int, seed: int = 0):
 
 def test_stored_error_is_the_held_history_against_the_fp_history():
     window, sinks = 3, 1
-    shadow = ShadowCache(2, window, sinks, {"offset": OffsetValues(2, window, sinks)}, attention=False)
+    shadow = ShadowCache(2, window, sinks, {"offset": OffsetValues(2, window, sinks)}, attention=False, stored=True)
     fp = KVCache(2, window, sinks)
     sig2 = torch.zeros(B, 2, H, dtype=torch.float64)  # values only: [B, layer, head]
     tokens = 0

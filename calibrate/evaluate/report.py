@@ -246,13 +246,20 @@ def twin_table(report: dict) -> tuple[list[str], list[list[str]]]:
         return [], []
     windows = _sorted_windows(groups[0][2]["windows"])
     head = ["scheme", "family", "K SQNR dB", "V SQNR dB"] + [f"{w}: scheme / twin (gap)" for w in windows]
-    rows = []
-    for name, fam, g in groups:
-        k, v = (sum(g["sqnr_db"][x]) / len(g["sqnr_db"][x]) for x in ("k", "v"))
-        rows.append([name, fam, f"{k:.1f}", f"{v:.1f}"]
-                    + [f"{_fmt(c['scheme'])} / {_fmt(c['twin'])} ({c['gap']:+.1f})" if (c := g["windows"].get(w)) else "-"
-                       for w in windows])
+    rows = [[name, fam, *(f"{x:.1f}" for x in mean_sqnr(g))] + [twin_cell(g["windows"].get(w)) for w in windows]
+            for name, fam, g in groups]
     return head, rows
+
+
+def mean_sqnr(group: dict) -> tuple[float, float]:
+    """A twin group's stored K and V SQNR, mean over layers (dB)."""
+    k, v = (sum(group["sqnr_db"][x]) / len(group["sqnr_db"][x]) for x in ("k", "v"))
+    return k, v
+
+
+def twin_cell(window: dict | None) -> str:
+    """One window of a twin group as "scheme / twin (gap)"; "-" when the rollouts did not reach it."""
+    return "-" if window is None else f"{_fmt(window['scheme'])} / {_fmt(window['twin'])} ({window['gap']:+.1f})"
 
 
 def twin_markdown(report: dict) -> str:

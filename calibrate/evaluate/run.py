@@ -229,7 +229,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             if (attention or twin) and len(shadows) < len(todo):
                 log.info("attention metrics and noise twin left out for %s: a memory plan's cache holds other frames "
                          "than the float reference", ", ".join(n for n in todo if n not in shadows))
-            fp_cache = ShadowCache(layers, window, sink_frames, shadows, attention)
+            fp_cache = ShadowCache(layers, window, sink_frames, shadows, attention, stored=twin)
             where = f"batch {bi + 1}/{len(groups)}"
             ref, _ = rollout_batch(world, group, fp_cache, device, truth=truth, desc=f"fp reference, {where}")
             if truth is None:  # no renderer (e.g. Wan): "ground truth" is the full-precision rollout
