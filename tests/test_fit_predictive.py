@@ -173,15 +173,51 @@ def test_incremental_mixed_precision_takes_the_reference_greedy_steps(model, bud
 
 
 def test_a_grid_whose_top_most_heads_chose_is_named():
-    """WanWorld's shipped recipe: intra_mult 1.7, the top of the default grid, in every head."""
+    """WanWorld's first recipe: intra_mult 1.7, the top of the grid it searched, in every head."""
     from calibrate.config import FitConfig
     from calibrate.fit.predictive_search import grid_edges
 
     cfg = FitConfig()
-    top, mid = max(cfg.intra_mults), cfg.inter_mults[1]
-    layers = [{"k": {"intra_mult": [top, top], "inter_mult": [mid, mid]},
-               "v": {"intra_mult": [top, 1.0], "inter_mult": [mid, max(cfg.inter_mults)]}}]
+    grid = [[a, b] for a in (1.0, 1.3, 1.7) for b in cfg.inter_mults]
+    mid = cfg.inter_mults[1]
+    layers = [{"k": {"intra_mult": [1.7, 1.7], "inter_mult": [mid, mid], "grid": grid},
+               "v": {"intra_mult": [1.7, 1.0], "inter_mult": [mid, max(cfg.inter_mults)], "grid": grid}}]
     (line,) = grid_edges(layers, cfg)
-    assert line.startswith(f"fit: 3 of 4 heads chose intra_mult {top}, the largest of fit.intra_mults")
+    assert line.startswith("fit: 3 of 4 heads chose the largest intra_mult searched (up to 1.7)")
+    assert "fit.intra_mult_max" in line
     layers[0]["k"]["intra_mult"] = [1.0, 1.0]  # 1 of 4 at the top: no line
     assert grid_edges(layers, cfg) == []
+
+
+def test_the_intra_grid_grows_until_no_head_chooses_its_top(model):
+    """From a far too fine grid (0.3) the search must widen the intra steps by x1.3 while any head's
+    best pair sits at the top, choose each head's lowest score over everything it searched, and
+    stop at `fit.intra_mult_max` (a cap at the grid's own top searches the grid alone)."""
+    from calibrate.fit.predictive_search import INTRA_GROWTH, fit_predictive
+    from calibrate.trace import LayerTraces
+
+    def search(**fit):
+        cfg = tiny_fit_config(mixed_precision=False, intra_mults=[0.3], **fit)
+        recorder = calibration.calibration_recording(cfg, model, CPU)
+        traces = LayerTraces(recorder.traces[0], 16, 1, cfg.fit.trace_trajectories)
+        _, record, _ = fit_predictive(as_world(model).info, traces, recorder.stats, cfg.fit, 16, 1,
+                                      recorder.traces[0].rotary_coords)
+        return cfg.fit, record["layers"]
+
+    cfg, layers = search()
+    grown = 0
+    for entry in layers:
+        for kind in ("k", "v"):
+            e = entry[kind]
+            intra = sorted({a for a, _ in e["grid"]})
+            assert intra[0] == 0.3 and {tuple(p) for p in e["grid"]} == {(a, b) for a in intra for b in cfg.inter_mults}
+            assert all(round(x * INTRA_GROWTH, 2) == y for x, y in zip(intra, intra[1:]))
+            grown += len(intra) > 1
+            at_cap = round(intra[-1] * INTRA_GROWTH, 2) > cfg.intra_mult_max
+            assert at_cap or all(a < intra[-1] for a in e["intra_mult"])
+            for h, (a, b) in enumerate(zip(e["intra_mult"], e["inter_mult"])):
+                column = [s[h] for s in e["scores"]]
+                assert column[e["grid"].index([a, b])] == min(column)
+    assert grown > 0
+    _, capped = search(intra_mult_max=0.3)
+    assert all({a for a, _ in entry[kind]["grid"]} == {0.3} for entry in capped for kind in ("k", "v"))

@@ -12,7 +12,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    redundancy the code exploits.
 2. **Per tensor** (K with V in full precision, then V with the fitted K): each head's intra and
    inter step multipliers from `fit.intra_mults` x `fit.inter_mults`, the pair with the lowest
-   objective per head (heads are independent in the objective), at the base width.
+   objective per head (heads are independent in the objective), at the base width; the intra
+   grid grows past its top while a head chooses it (up to `fit.intra_mult_max`).
 3. **Mixed precision**: a greedy allocator adds `fit.bits_step` bits per component to one head of
    one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
    next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 import torch
 from torch import Tensor
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
 MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
+INTRA_GROWTH = 1.3  # each step past the top of fit.intra_mults multiplies it by this
 
 
 class BudgetError(ValueError):
@@ -187,41 +190,62 @@ def _stat_kind(kind: str, pre: bool) -> str:
 def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStats, cfg: FitConfig, pre: bool,
                  base_bits: float) -> dict:
     """One layer's step multipliers per head: K with V in full precision, then V with the fitted K,
-    each the pair of `fit.intra_mults` x `fit.inter_mults` with the lowest objective per head."""
+    each the pair of `fit.intra_mults` x `fit.inter_mults` with the lowest objective per head.
+
+    The intra grid grows past its top (x `INTRA_GROWTH`, up to `fit.intra_mult_max`) while some
+    head's best pair sits at its top: no fixed grid knows how wide a model's tails are (WanWorld's
+    heads took 1.7, the old grid's top, in all 16 heads, and 3.0 in 12 of 16 with the grid widened
+    to 3.0; each widening gained in the rollout, `artifacts/benchmarks/wanworld_intra_grid.md`)."""
     lam = cfg.lambda_temporal
-    grid = [(a, b) for a in cfg.intra_mults for b in cfg.inter_mults]
     entry, k_hat = {}, None
     for kind in KINDS:
         fit = TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer), [])
         H = fit.mean.shape[0]
-        scores = []
-        for a, b in grid:
-            fit.heads = [HeadCode(base_bits, a, b)] * H
-            hat = reconstruct(trace, fit, cfg)
-            scores.append(head_objective(trace, reference, hat if kind == "k" else k_hat, hat if kind == "v" else None, lam))
-        best = torch.stack(scores).argmin(0).tolist()
+        intra, scores = list(cfg.intra_mults), {}
+        while True:
+            for pair in product(intra, cfg.inter_mults):
+                if pair not in scores:
+                    fit.heads = [HeadCode(base_bits, *pair)] * H
+                    hat = reconstruct(trace, fit, cfg)
+                    scores[pair] = head_objective(trace, reference, hat if kind == "k" else k_hat,
+                                                  hat if kind == "v" else None, lam)
+            grid = list(scores)
+            best = torch.stack([scores[p] for p in grid]).argmin(0).tolist()
+            wider = round(max(intra) * INTRA_GROWTH, 2)
+            if wider > cfg.intra_mult_max or all(grid[i][0] < max(intra) for i in best):
+                break
+            intra.append(wider)
         if kind == "k":
             fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
             k_hat = reconstruct(trace, fit, cfg)
         entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
-                       "why": "lowest teacher-forced objective per head over fit.intra_mults x fit.inter_mults",
-                       "scores": [[round(float(s[h]), 6) for h in range(H)] for s in scores]}
+                       "why": "lowest teacher-forced objective per head over the grid (fit.intra_mults, grown "
+                              "while a head chose its top, x fit.inter_mults)",
+                       "grid": [list(p) for p in grid],
+                       "scores": [[round(float(scores[p][h]), 6) for h in range(H)] for p in grid]}
     return entry
 
 
 def grid_edges(layers: list[dict], cfg: FitConfig) -> list[str]:
-    """One line per step grid whose largest value most heads chose: the best step may lie beyond
-    the grid (WanWorld's shipped recipe took intra_mult 1.7, the top of the default grid, in every
-    head; doubling its intra steps gains ~8 dB in coherence_study_wanworld.md)."""
+    """One line per step axis whose largest searched value most heads chose: the best step may lie
+    beyond it (the intra axis grows by itself up to `fit.intra_mult_max`; the inter axis is
+    `fit.inter_mults`, which the closed loop then scales)."""
     out = []
-    for role, grid in (("intra_mult", cfg.intra_mults), ("inter_mult", cfg.inter_mults)):
-        top = max(grid)
-        chosen = [m for entry in layers for kind in KINDS for m in entry[kind][role]]
-        at_top = sum(m == top for m in chosen)
-        if len(grid) > 1 and chosen and 2 * at_top > len(chosen):
-            out.append(f"fit: {at_top} of {len(chosen)} heads chose {role} {top}, the largest of fit.{role}s "
-                       f"{list(grid)}: the best step may lie beyond it; widen the grid, e.g. "
-                       f"fit.{role}s=[{','.join(str(g) for g in sorted(grid))},{round(top * 1.3, 1)},{round(top * 1.8, 1)}]")
+    for axis, role in enumerate(("intra_mult", "inter_mult")):
+        chosen = at_top = 0
+        values: set[float] = set()
+        for entry in layers:
+            for kind in KINDS:
+                searched = {p[axis] for p in entry[kind]["grid"]}
+                values |= searched
+                chosen += len(entry[kind][role])
+                at_top += sum(m == max(searched) for m in entry[kind][role])
+        if len(values) > 1 and chosen and 2 * at_top > chosen:
+            fix = (f"raise fit.intra_mult_max (now {cfg.intra_mult_max})" if role == "intra_mult" else
+                   f"widen fit.inter_mults, e.g. [{','.join(str(g) for g in sorted(cfg.inter_mults))},"
+                   f"{round(max(cfg.inter_mults) * 1.3, 1)}]")
+            out.append(f"fit: {at_top} of {chosen} heads chose the largest {role} searched "
+                       f"(up to {max(values)}): the best step may lie beyond it; {fix}")
     return out
 
 
