@@ -8,8 +8,8 @@ per-token parameters in float16); `decode` turns it back into values; `fake_quan
 reference path, the same arithmetic with codes left unpacked, that the tests hold the packed
 runtime to (`fake_quant_heads` runs it over every head of whole frames); `frame_nbytes` says
 what `encode` stores, from the spec alone, for the memory model (memory.py). The way values
-become codes is a *code kind* (`CODE_KINDS`: uniform affine, codebook): the plug-in point for
-new quantizers (ARCHITECTURE.md).
+become codes is a *code kind* (calibrate/codes/: uniform affine, codebook, prq, turbo, ...): the
+plug-in point for new quantizers (ARCHITECTURE.md).
 
 Order of operations for one head (x of shape [B, T, D]; B batch, T tokens, D head_dim):
 
@@ -18,10 +18,9 @@ Order of operations for one head (x of shape [B, T, D]; B batch, T tokens, D hea
 3. outlier channels: copy them out in float16 and zero them in y;
 4. dense-and-sparse: copy the largest `sparse_fraction` of |y - center| out in float16
    (flat index int16/int32 + value) and set them to the center so they do not stretch ranges;
-5. quantize y: uniform affine (dynamic per token and group, dynamic per channel over the frame's
-   tokens, or static per channel from the recipe) or a codebook of normalized levels; dynamic
-   parameters are rounded to float16 *before* the codes are computed, so stored parameters and
-   codes agree exactly;
+5. quantize y as the spec's kind does (calibrate/codes/: each kind's module says how; dynamic
+   parameters are rounded to their stored type *before* the codes are computed, so stored
+   parameters and codes agree exactly);
 6. pack the codes along D (recipes/FORMAT.md).
 
 Decoding runs the steps backwards: unpack, dequantize, put sparse values and outlier channels
@@ -38,17 +37,15 @@ sparse positions); a clip ratio is a float32; the scale floor is float16's small
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from calibrate.quant import affine, codebook, ordered, packing, qvg, turbo
+from calibrate.codes import FP, FP_EPS, KINDS
+from calibrate.quant import codebook, ordered, packing, qvg
 from calibrate.recipe import TensorSpec
-
-FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
-FP_EPS = 2.0**-24  # smallest positive float16: dynamic scales never round to 0 when stored
 
 
 @dataclass(frozen=True)
@@ -141,188 +138,13 @@ def subsample_indices(num_levels: int, n: int) -> Tensor:
     return (2 * i * (num_levels - 1) + (n - 1)) // (2 * (n - 1))
 
 
-# ---- code kinds: how the prepared y becomes codes and dynamic parameters, and back ------------
-# A kind is a pair of pure functions plus the bytes its codes and dynamic parameters take.
-# `spec.kind` picks one; a new kind (a vector codebook, say) is one more entry in CODE_KINDS, its
-# name in recipe_schema.CODE_KINDS, its tensor roles in recipe.expected_shapes, and a candidate in the
-# fitter (ARCHITECTURE.md). The memory model counts its bytes through `frame_nbytes` below.
-def _uniform_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
-    D = y.shape[-1]
-    if spec.axis == "channel" and spec.static:
-        return affine.quantize(y, p.scale_D, p.zero_D, p.bits, spec.symmetric), {}
-    if spec.axis == "channel":
-        return channel_quantize(y, spec, p, affine.range_stats(y, symmetric=spec.symmetric, reduce_dims=(-2,)))
-    g = affine.group_view(y, spec.group_size or D)
-    scale, zero = affine.compute_params(g, p.bits, symmetric=spec.symmetric, reduce_dims=(-1,), clip_ratio=p.clip,
-                                        eps=FP_EPS)
-    scale, zero = scale.to(FP).float(), zero.to(FP).float()
-    dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
-    return affine.ungroup(affine.quantize(g, scale, zero, p.bits, spec.symmetric)), dyn
-
-
-def channel_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, stats: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Kind uniform, dynamic axis "channel": the frame's per-channel ranges `stats` (affine.range_stats
-    over its tokens, which a runtime may gather a token block at a time) -> codes of y and the
-    float16 scale (and minimum)."""
-    scale, zero = affine.params_from_stats(stats, p.bits, symmetric=spec.symmetric, clip_ratio=p.clip, eps=FP_EPS)
-    scale, zero = scale.to(FP).float(), zero.to(FP).float()
-    dyn = {"scale": scale.to(FP)} if spec.symmetric else {"scale": scale.to(FP), "zero": zero.to(FP)}
-    return affine.quantize(y, scale, zero, p.bits, spec.symmetric), dyn
-
-
-def _uniform_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
-    D = codes.shape[-1]
-    if spec.axis == "channel" and spec.static:
-        return affine.dequantize(codes, p.scale_D, p.zero_D, p.bits, spec.symmetric)
-    zero = dyn["zero"].float() if "zero" in dyn else None
-    if spec.axis == "channel":
-        return affine.dequantize(codes, dyn["scale"].float(), zero, p.bits, spec.symmetric)
-    g = affine.group_view(codes, spec.group_size or D)
-    return affine.ungroup(affine.dequantize(g, dyn["scale"].float(), zero, p.bits, spec.symmetric))
-
-
-def _codebook_quantize(y: Tensor, spec: TensorSpec, p: HeadParams, nearest=None) -> tuple[Tensor, dict[str, Tensor]]:
-    """`nearest(u) -> codes` picks levels in the normalized domain (default: the head's row,
-    `codebook.nearest_level`; quant/headcodec.py passes one row per head)."""
-    nearest = nearest or (lambda u: codebook.nearest_level(u, p.levels_L))
-    D = y.shape[-1]
-    if spec.axis == "channel" and spec.static:
-        scale, zero = p.scale_D, p.zero_D
-        return nearest(((y - zero) / scale).clamp(-1, 1)), {}
-    g = affine.group_view(y, spec.group_size or D)
-    scale = (g.abs().amax(-1, keepdim=True) * p.clip).clamp_min(FP_EPS).to(FP).float()
-    zero = torch.zeros_like(scale)
-    codes = nearest(((g - zero) / scale).clamp(-1, 1))
-    return affine.ungroup(codes), {"scale": scale.to(FP)}
-
-
-def _codebook_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
-                         lookup=None) -> Tensor:
-    """`lookup(codes) -> levels` (default: the head's row, `codebook.decode`)."""
-    D = codes.shape[-1]
-    vals = (lookup or (lambda c: codebook.decode(c, p.levels_L)))(codes)
-    if spec.axis == "channel" and spec.static:
-        return vals * p.scale_D + p.zero_D
-    g = affine.group_view(vals, spec.group_size or D)
-    return affine.ungroup(g * dyn["scale"].float())
-
-
-@dataclass(frozen=True)
-class CodeKind:
-    """One way of turning values into b-bit codes (see the block comment above)."""
-
-    quantize: Callable[[Tensor, TensorSpec, HeadParams], tuple[Tensor, dict[str, Tensor]]]
-    dequantize: Callable[[Tensor, dict[str, Tensor], TensorSpec, HeadParams], Tensor]
-    code_nbytes: Callable[[TensorSpec, int, int, int, int], int]  # (spec, bits, B, T, D) -> bytes of codes + parameters
-
-
-def _packed_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int, params_per_group: int) -> int:
-    """Packed b-bit codes plus `params_per_group` float16 parameters per group of dynamic ranges
-    (per token and group on axis "token", per channel on a dynamic axis "channel", none if static)."""
-    n = B * T * packing.packed_nbytes(D, bits)
-    if not (spec.axis == "channel" and spec.static):
-        groups = T * (D // (spec.group_size or D)) if spec.axis == "token" else D
-        n += B * groups * params_per_group * 2
-    return n
-
-
-# ---- format 1.1 kinds: Quant VideoGen's PRQ (quant/qvg.py) and TurboQuant (quant/turbo.py) ----
-def _prq_quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
-    """Take each stage's nearest span centroid off, then the symmetric residual with FP8 scales."""
-    dyn: dict[str, Tensor] = {}
-    if spec.prq_stages:
-        y, ids = qvg.smooth(y, _span_centroids(p))
-        if spec.prq_centroids > 1:  # with one centroid every index is 0: nothing to store
-            dyn["assign"] = qvg.pack_ids(ids.transpose(-1, -2), spec.prq_centroids)  # [B, stages, packed tokens]
-    g = affine.group_view(y, spec.group_size or y.shape[-1])
-    scale = qvg.residual_scale(g, p.bits)
-    dyn["scale"] = scale
-    return affine.ungroup(qvg.residual_codes(g, scale, p.bits)), dyn
-
-
-def _prq_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
-    g = affine.group_view(codes, spec.group_size or codes.shape[-1])
-    r = affine.ungroup(qvg.residual_values(g, dyn["scale"], p.bits))
-    if not spec.prq_stages:
-        return r
-    cents = _span_centroids(p)
-    if "assign" in dyn:
-        ids = qvg.unpack_ids(dyn["assign"], spec.prq_centroids, r.shape[-2]).transpose(-1, -2).long()
-    else:
-        ids = torch.zeros(*r.shape[:-1], spec.prq_stages, dtype=torch.long, device=r.device)
-    return qvg.unsmooth(r, cents, ids)
-
-
-def _span_centroids(p: HeadParams) -> Tensor:
-    if p.span_centroids_BSCD is None:
-        raise ValueError("kind 'prq' codes a frame against its span's centroids: fit them with codec.fit_span_state "
-                         "and pass them with codec.with_span_state")
-    return p.span_centroids_BSCD
-
-
-def _fp16_norm(y: Tensor) -> Tensor:
-    """|y| per token [..., 1] (correctly rounded sqrt of a fixed-order sum of squares), stored as
-    float16 (kept >= its smallest subnormal so u = y / n is finite)."""
-    return ordered.sqrt(ordered.sum_squares(y)).clamp(FP_EPS, 65504.0).to(FP)
-
-
-def _turbo_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
-                    steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    norm = _fp16_norm(y)
-    return (steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)).nearest(y / norm.float()), {"norm": norm}
-
-
-def _turbo_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
-                      steps: turbo.Steps | None = None) -> Tensor:
-    return (steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)).levels(codes) * dyn["norm"].float()
-
-
-def _turbo_prod_quantize(y: Tensor, spec: TensorSpec, p: HeadParams,
-                         steps: turbo.Steps | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """code = mse index + 2^(b-1) * [S r >= 0]: b-1 bits of TQ_mse and the QJL sign in the top bit."""
-    steps = steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)
-    norm = _fp16_norm(y)
-    u = y / norm.float()
-    idx = steps.nearest(u)
-    r = u - steps.levels(idx)
-    gamma = ordered.sqrt(ordered.sum_squares(r)).clamp(max=65504.0).to(FP)
-    return idx + (steps.signs(r) << (p.bits - 1)), {"norm": norm, "gamma": gamma}
-
-
-def _turbo_prod_dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams,
-                           steps: turbo.Steps | None = None) -> Tensor:
-    steps = steps or turbo.head_steps(p.lloyd_max_L, p.qjl_MD)
-    top = p.bits - 1
-    u = steps.levels(codes & ((1 << top) - 1)) + steps.qjl(codes >> top, dyn["gamma"])
-    return u * dyn["norm"].float()
-
-
-def _prq_nbytes(spec: TensorSpec, b: int, B: int, T: int, D: int) -> int:
-    """Packed codes, one FP8 scale per token and group, the stages' packed centroid indices (C > 1)."""
-    n = B * T * packing.packed_nbytes(D, b) + B * T * (D // (spec.group_size or D))
-    return n + (B * spec.prq_stages * qvg.ids_nbytes(T, spec.prq_centroids) if spec.prq_stages else 0)
-
-
-CODE_KINDS = {
-    "uniform": CodeKind(_uniform_quantize, _uniform_dequantize,  # scale, and a zero point unless symmetric
-                        lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1 if spec.symmetric else 2)),
-    "codebook": CodeKind(_codebook_quantize, _codebook_dequantize,  # scale only (levels are symmetric)
-                         lambda spec, b, B, T, D: _packed_nbytes(spec, b, B, T, D, 1)),
-    "prq": CodeKind(_prq_quantize, _prq_dequantize, _prq_nbytes),
-    "turbo": CodeKind(_turbo_quantize, _turbo_dequantize,  # float16 norm per token
-                      lambda spec, b, B, T, D: B * T * (packing.packed_nbytes(D, b) + 2)),
-    "turbo_prod": CodeKind(_turbo_prod_quantize, _turbo_prod_dequantize,  # float16 norm and residual norm per token
-                           lambda spec, b, B, T, D: B * T * (packing.packed_nbytes(D, b) + 4)),
-}
-
-
 def _quantize(y: Tensor, spec: TensorSpec, p: HeadParams) -> tuple[Tensor, dict[str, Tensor]]:
-    """Codes [B, T, D] (uint8, unpacked) and the dynamic parameters to store."""
-    return CODE_KINDS[spec.kind].quantize(y, spec, p)
+    """Codes [B, T, D] (uint8, unpacked) and the dynamic parameters to store (step 5: the kind's)."""
+    return KINDS[spec.kind].quantize(y, spec, p)
 
 
 def _dequantize(codes: Tensor, dyn: dict[str, Tensor], spec: TensorSpec, p: HeadParams) -> Tensor:
-    return CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
+    return KINDS[spec.kind].dequantize(codes, dyn, spec, p)
 
 
 def _center(spec: TensorSpec, p: HeadParams, y: Tensor) -> Tensor:
@@ -442,7 +264,7 @@ def frame_nbytes(spec: TensorSpec, bits: int, B: int, T: int, D: int) -> int:
     """
     if bits >= 16:
         return B * T * D * 2
-    n = CODE_KINDS[spec.kind].code_nbytes(spec, bits, B, T, D)
+    n = KINDS[spec.kind].code_nbytes(spec, bits, B, T, D)
     if spec.centroids:
         n += B * T  # uint8 index of the nearest centroid per token
     if spec.outliers:
@@ -503,8 +325,9 @@ def key_steps(stored: dict[str, Tensor], spec: TensorSpec, p: HeadParams, T: int
     if "fp16" in stored:
         return torch.zeros_like(stored["fp16"], dtype=torch.float32)
     lead = stored["codes"].shape[:-2]
-    if spec.kind not in ("uniform", "prq"):
-        raise ValueError(f"kind {spec.kind!r} has no uniform step (the Jensen correction needs kind uniform or prq)")
+    if not KINDS[spec.kind].uniform_step:
+        raise ValueError(f"kind {spec.kind!r} has no uniform step (the Jensen correction needs one: "
+                         f"{', '.join(n for n, k in KINDS.items() if k.uniform_step)})")
     if spec.axis == "channel" and spec.static:
         step = p.scale_D.float().expand(*lead, T, D)
     elif spec.axis == "channel":

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
+from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import is_keyframe
 from calibrate.quant.headcodec import GroupCodec
@@ -41,9 +42,9 @@ CLASSES = ("recent", "sink", "key", "main")
 
 def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
-    if spec.kind not in ("uniform", "codebook", "prq", "turbo", "turbo_prod"):
+    if KINDS[spec.kind].quantize is None:
         return f"kind '{spec.kind}'"
-    if spec.jensen and (spec.kind not in ("uniform", "prq") or spec.sparse_fraction > 0):
+    if spec.jensen and (not KINDS[spec.kind].uniform_step or spec.sparse_fraction > 0):
         return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"

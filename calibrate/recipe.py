@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from calibrate import predictive_roles
+from calibrate.codes import KINDS
 from calibrate.plan import MemoryPlan
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
 from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, PLAN_FIELDS, POLICY_FIELDS,  # noqa: F401
@@ -82,9 +83,8 @@ OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 INT_ROLES = ("outlier_channels",) + predictive_roles.INT_ROLES  # int64; every other role is float32
 KNOWN_ROLES = ("rotation", "scale", "zero_point", "clip", "codebook", "outlier_channels", "centroids",
                "comp_down", "comp_up", "logit_bias", "lloyd_max", "qjl") + predictive_roles.ROLES[1:]
-# TensorSpec.kind (CODE_KINDS, ALLOWED_BITS and ROTATIONS live in recipe_schema and are re-exported here): codec.py
-# implements the per-frame kinds, chain.py the predictive one
-TURBO_KINDS = ("turbo", "turbo_prod")
+# TensorSpec.kind (CODE_KINDS, ALLOWED_BITS and ROTATIONS live in recipe_schema and are re-exported here): the
+# registry calibrate/codes/ says what each kind is
 
 
 class RecipeError(ValueError):
@@ -201,55 +201,24 @@ def _spec(d: dict, where: str) -> TensorSpec:
     """A TensorSpec from its JSON object: types and ranges (recipe_schema), then the rules that
     tie fields together."""
     s = TensorSpec(**_parse(d, SPEC_FIELDS, where))
-    if s.kind == "codebook" and s.axis == "channel" and not s.static:
-        raise RecipeError(f"{where}.static: a codebook with axis 'channel' must be static (dynamic codebooks are per "
-                          "token: use axis 'token')")
-    _check_v11_fields(s, where)
-    if s.kind == "predictive":
-        plain = TensorSpec(bits=s.bits, kind="predictive", rotation=s.rotation, rotary_coords=s.rotary_coords,
-                           token_bits=s.token_bits, anchor_token_bits=s.anchor_token_bits, temporal=s.temporal)
-        if s != plain:
-            raise RecipeError(f"{where}: a predictive spec sets only bits, rotation, rotary_coords, token_bits, "
-                              "anchor_token_bits and temporal (the other fields belong to per-frame codes)")
-        if s.rotation == "none" or s.token_bits is None or s.anchor_token_bits is None:
-            raise RecipeError(f"{where}: a predictive spec needs a rotation, token_bits and anchor_token_bits")
-    elif s.token_bits is not None or s.anchor_token_bits is not None or s.temporal is not True:
-        raise RecipeError(f"{where}: token_bits, anchor_token_bits and temporal belong to kind 'predictive'")
+    kind = KINDS[s.kind]
+    for fields, owner in ((_PRQ_DEFAULTS, "prq"), (_PREDICTIVE_DEFAULTS, "predictive")):
+        for name, default in fields.items():
+            if s.kind != owner and getattr(s, name) != default:
+                raise RecipeError(f"{where}.{name}: applies to kind {owner!r} only (kind is {s.kind!r})")
+    if kind.per_token and (s.axis != "token" or s.static):
+        raise RecipeError(f"{where}: kind {s.kind!r} codes per token (axis 'token', not static)")
+    problem = kind.check(s, where)
+    if problem:
+        raise RecipeError(problem)
+    if s.jensen and not kind.uniform_step:
+        raise RecipeError(f"{where}.jensen: needs a uniform grid step (kind "
+                          f"{' or '.join(repr(n) for n, k in KINDS.items() if k.uniform_step)}), not {s.kind!r}")
     return s
 
 
 _PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False}
-
-
-def _check_v11_fields(s: TensorSpec, where: str) -> None:
-    """The fields and kinds of format 1.1: prq, turbo, turbo_prod, jensen."""
-    if s.kind != "prq":
-        for name, default in _PRQ_DEFAULTS.items():
-            if getattr(s, name) != default:
-                raise RecipeError(f"{where}.{name}: applies to kind 'prq' only (kind is {s.kind!r})")
-    if s.kind in ("prq",) + TURBO_KINDS:
-        if s.axis != "token" or s.static:
-            raise RecipeError(f"{where}: kind {s.kind!r} codes per token (axis 'token', not static)")
-    if s.kind == "prq":
-        if s.prq_stages < 0:
-            raise RecipeError(f"{where}.prq_stages: {s.prq_stages} must be >= 0")
-        if s.prq_stages and not 1 <= s.prq_centroids <= 256:
-            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} not in [1, 256] (indices are stored as uint8)")
-        if not s.prq_stages and s.prq_centroids:
-            raise RecipeError(f"{where}.prq_centroids: {s.prq_centroids} needs prq_stages >= 1")
-        if s.prq_span_frames < 1:
-            raise RecipeError(f"{where}.prq_span_frames: {s.prq_span_frames} must be >= 1")
-        if s.prq_kmeans_iters < 1:
-            raise RecipeError(f"{where}.prq_kmeans_iters: {s.prq_kmeans_iters} must be >= 1")
-        if s.prq_deferred and not s.prq_stages:
-            raise RecipeError(f"{where}.prq_deferred: needs prq_stages >= 1 (a span state to defer)")
-    if s.kind in TURBO_KINDS:
-        if s.head_bits is not None or s.bits >= 16:
-            raise RecipeError(f"{where}: kind {s.kind!r} needs one width below 16 for every head (bits < 16, no head_bits)")
-        if s.group_size:
-            raise RecipeError(f"{where}.group_size: kind {s.kind!r} codes whole head vectors (group_size 0)")
-    if s.jensen and s.kind not in ("uniform", "prq"):
-        raise RecipeError(f"{where}.jensen: needs a uniform grid step (kind 'uniform' or 'prq'), not {s.kind!r}")
+_PREDICTIVE_DEFAULTS = {"token_bits": None, "anchor_token_bits": None, "temporal": True}
 
 
 @dataclass
@@ -355,17 +324,13 @@ def check_model(recipe: Recipe, model: ModelInfo) -> None:
 
 
 def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ...]]:
-    """Tensor roles a spec requires, with their shapes."""
-    if spec.kind == "predictive":
-        return predictive_roles.shapes(H, D)
+    """Tensor roles a spec requires, with their shapes: the general ones, then its kind's own."""
     shapes: dict[str, tuple[int, ...]] = {}
     if spec.rotation != "none":
         shapes["rotation"] = (H, D, D)
     if spec.axis == "channel" and spec.static:
         shapes["scale"] = (H, D)
         shapes["zero_point"] = (H, D)
-    if spec.kind == "codebook":
-        shapes["codebook"] = (H, 2 ** max(spec.bits_of(h) if spec.bits_of(h) < 16 else 0 for h in range(H)))
     if spec.outliers:
         shapes["outlier_channels"] = (H, spec.outliers)
     if spec.centroids:
@@ -373,11 +338,7 @@ def expected_shapes(spec: TensorSpec, H: int, D: int) -> dict[str, tuple[int, ..
     if spec.comp_rank:
         shapes["comp_down"] = (H, D, spec.comp_rank)
         shapes["comp_up"] = (H, spec.comp_rank, D)
-    if spec.kind in TURBO_KINDS:
-        shapes["lloyd_max"] = (H, 2 ** (spec.bits - (spec.kind == "turbo_prod")))
-    if spec.kind == "turbo_prod":
-        shapes["qjl"] = (H, D, D)
-    return shapes
+    return shapes | KINDS[spec.kind].roles(spec, H, D)
 
 
 def validate(recipe: Recipe, where: str) -> None:
@@ -506,7 +467,7 @@ def _validate_v11(recipe: Recipe, i: int, kind: str, spec: TensorSpec, where: st
     if spec.prq_deferred and recipe.scheme.policy.recent_frames:
         raise RecipeError(f"{where}: {field}.prq_deferred holds a span's frames in float16 until the span is complete; "
                           "it takes no recent window (scheme.policy.recent_frames must be 0)")
-    if spec.kind in TURBO_KINDS:
+    if KINDS[spec.kind].own_width:
         p = recipe.scheme.policy
         for name, used in (("sink_bits", p.sink_frames > 0), ("recent_bits", p.recent_frames > 0),
                            ("keyframe_bits", p.keyframe_interval > 0)):

@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from calibrate.codes import NAMES
 from calibrate.plan import RECALL_KEYS, REUSE_RULES
 
 ALLOWED_BITS = (2, 3, 4, 8, 16)
-CODE_KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")
+CODE_KINDS = NAMES  # calibrate/codes/: the registry of kinds
 ROTATIONS = ("none", "hadamard", "learned", "random")
 AXES = ("token", "channel")
 VERSION_RE = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")  # MAJOR.MINOR, decimal, no leading zeros

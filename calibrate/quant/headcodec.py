@@ -23,12 +23,10 @@ import torch
 from torch import Tensor
 
 from calibrate import codec
-from calibrate.codec import FP
+from calibrate.codes import FP, KINDS
+from calibrate.codes.uniform import channel_quantize
 from calibrate.quant import affine, codebook, ordered, packing, qvg, turbo
 from calibrate.recipe import TensorSpec
-
-
-TURBO_KINDS = ("turbo", "turbo_prod")
 
 
 def _matmul_heads(x: Tensor, m_HKN: Tensor) -> Tensor:
@@ -49,12 +47,12 @@ class GroupCodec:
         self.rotation = stack("rotation_DD")
         self.centroids = stack("centroids_CD")
         self.outlier_idx = stack("outlier_channels_n")
-        self.levels = stack("levels_L")
-        self.lloyd, self.qjl = stack("lloyd_max_L"), stack("qjl_MD")
-        # kinds turbo / turbo_prod: codec's steps with one Lloyd-Max row and one QJL sketch per head
-        self.turbo = turbo.Steps(lambda u: self._nearest(u, self.lloyd), lambda c: self._levels_at(c, self.lloyd),
-                                 lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads),
-                                 lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
+        self.kind = KINDS[spec.kind]
+        # kinds with a table of levels (codebook, turbo): their steps with one row (and one QJL sketch) per head
+        table, self.qjl = (stack(self.kind.table) if self.kind.table else None), stack("qjl_MD")
+        self.steps = None if table is None else turbo.Steps(
+            lambda u: self._nearest(u, table), lambda c: self._levels_at(c, table),
+            lambda r: turbo.qjl_signs(r, self.qjl, _matmul_heads), lambda z, g: turbo.qjl_values(z, g, self.qjl, _matmul_heads))
         self.comp = (stack("comp_down_DR"), stack("comp_up_RD"))
         scale, zero = stack("scale_D"), stack("zero_D")
         # parameters broadcast over [B, Hg, T, D] (encode) and [B, Hg, J, T, D] (decode)
@@ -73,18 +71,14 @@ class GroupCodec:
         spec, p = self.spec, self.enc
         y, side = self._prepare(x)
         if stats is not None:
-            codes, dyn = codec.channel_quantize(y, spec, p, stats)
-        elif spec.kind == "codebook":
-            codes, dyn = codec._codebook_quantize(y, spec, p, lambda u: self._nearest(u, self.levels))
-        elif spec.kind in TURBO_KINDS:
-            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p, self.turbo)
+            codes, dyn = channel_quantize(y, spec, p, stats)
         elif codec.span_of(spec, 0) is not None:  # prq: the package's functions take one batch axis
             B, Hg, T, D = y.shape
-            codes, dyn = codec.CODE_KINDS["prq"].quantize(y.reshape(B * Hg, T, D), spec, self._with_state(span_state))
+            codes, dyn = self.kind.quantize(y.reshape(B * Hg, T, D), spec, self._with_state(span_state))
             codes = codes.view(B, Hg, T, D)
             dyn = {k: v.reshape(B, Hg, *v.shape[1:]) for k, v in dyn.items()}
         else:
-            codes, dyn = codec.CODE_KINDS[spec.kind].quantize(y, spec, p)
+            codes, dyn = self.kind.quantize(y, spec, p, self.steps)
         stored = {"codes": packing.pack(codes, self.bits)}
         stored.update({f"p_{k}": v for k, v in dyn.items()})
         stored.update(side)
@@ -169,18 +163,13 @@ class GroupCodec:
         spec, p, D = self.spec, self.dec, self.D
         codes = packing.unpack(stored["codes"], self.bits, D)
         dyn = {k[2:]: v for k, v in stored.items() if k.startswith("p_")}
-        if spec.kind == "codebook":
-            y = codec._codebook_dequantize(codes, dyn, spec, p, lambda c: self._levels_at(c, self.levels))
-        elif spec.kind in TURBO_KINDS:
-            y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p, self.turbo)
-        elif codec.span_of(spec, 0) is not None:
+        if codec.span_of(spec, 0) is not None:
             lead = codes.shape[:3]
             flat = lambda t: t.reshape(-1, *t.shape[3:])
-            y = codec.CODE_KINDS["prq"].dequantize(flat(codes), {k: flat(v) for k, v in dyn.items()}, spec,
-                                                   self._with_state(span_state))
+            y = self.kind.dequantize(flat(codes), {k: flat(v) for k, v in dyn.items()}, spec, self._with_state(span_state))
             y = y.view(*lead, *y.shape[1:])
         else:
-            y = codec.CODE_KINDS[spec.kind].dequantize(codes, dyn, spec, p)
+            y = self.kind.dequantize(codes, dyn, spec, p, self.steps)
         B, Hg, J = y.shape[:3]
         if "sparse_val" in stored:
             y = y.reshape(B, Hg, J, T * D).scatter(-1, stored["sparse_idx"].long(), stored["sparse_val"].float())

@@ -1,0 +1,24 @@
+"""Kind "predictive": a transform code across frames (quant/predictive.py; the runtimes' chain.py
+and fast_chain.py), its roles in predictive_roles.py. It has no per-frame quantize."""
+
+from __future__ import annotations
+
+from calibrate import predictive_roles
+from calibrate.codes.base import Kind
+
+FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits", "temporal")
+
+
+def check(s, where: str) -> str | None:
+    from calibrate.recipe import TensorSpec  # the fields' defaults
+
+    plain = TensorSpec(kind="predictive", **{name: getattr(s, name) for name in FIELDS})
+    if s != plain:
+        return (f"{where}: a predictive spec sets only {', '.join(FIELDS[:-1])} and {FIELDS[-1]} (the other fields "
+                "belong to per-frame codes)")
+    if s.rotation == "none" or s.token_bits is None or s.anchor_token_bits is None:
+        return f"{where}: a predictive spec needs a rotation, token_bits and anchor_token_bits"
+    return None
+
+
+KIND = Kind("predictive", roles=lambda spec, H, D: predictive_roles.shapes(H, D), check=check)
