@@ -29,7 +29,7 @@ from calibrate.config import CONF_DIR, to_config
 from calibrate.evaluate import report as report_mod
 from calibrate.io import write_text_atomic
 
-SCHEMES = "fp16,naive2,kivi2,kivi2_lowmem,kivi4,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,ours"
+SCHEMES = "fp16,naive2,kivi2,kivi2_lowmem,kivi4,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,nvfp4,ours"
 
 
 def equal_memory(rep: dict, budget: float = 2.5) -> str:

@@ -192,14 +192,15 @@ class FrameStore:
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
         """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
         codes at once, dynamic per-channel ranges (kind uniform) gathered over the blocks first. Dense-
-        and-sparse values, other per-channel kinds and span centroids see the whole frame; a span's
+        and-sparse values, other per-channel kinds, frame-wide kinds and span centroids see the whole frame; a span's
         first frame coded below 16 bits fits the span's state first."""
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
             spec = self.specs[kind]
             spanned = kind in self.spanned and name == "main"
             ranged = spec.axis == "channel" and not spec.static
-            by_tokens = spec.sparse_fraction == 0 and not spanned and (not ranged or spec.kind == "uniform")
+            by_tokens = (spec.sparse_fraction == 0 and not spanned and not KINDS[spec.kind].frame_wide
+                         and (not ranged or spec.kind == "uniform"))
             step = self.write_block if by_tokens else self.T
             if step == self.T and not isinstance(x, Tensor):
                 x = x.full()  # per-channel ranges and span centroids need the whole frame

@@ -77,7 +77,7 @@ from calibrate.recipe_schema import (ALLOWED_BITS, CODE_KINDS, MODEL_FIELDS, PLA
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.1"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random" (FORMAT.md)
+FORMAT_VERSION = "1.2"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random"; 1.2: kind nvfp4 (FORMAT.md)
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 INT_ROLES = ("outlier_channels",) + predictive_roles.INT_ROLES  # int64; every other role is float32

@@ -110,6 +110,12 @@ moves a value by at most an ulp or a code at a rounding boundary.
   parameters of a 16-token frame cost 2 bits; the correction adds none). How it differs from
   the project's fitted `logit_bias` correction: quant/jensen.py; both are measured on this
   cache by `benchmarks/jensen.py`.
+- `nvfp4` (NVIDIA's FP4 block format, the KV cache format LongLive-2.0 ships for Blackwell GPUs;
+  codes/nvfp4.py): K and V as FP4 E2M1 values with an FP8 E4M3 scale per 16 channels of a token
+  and a float32 scale per tensor, no float16 frames: 4.5 bits + 32 bits per head and frame (4.53
+  at head_dim 64, 16 tokens). The 4.5-bit peer. Deviation: the per-tensor scale is taken per head
+  and frame when the frame is stored (max|y| / (6 * 448), so no value saturates), where deployments
+  calibrate one per tensor; keys post-rotary.
 """
 
 from __future__ import annotations
@@ -298,6 +304,13 @@ def _qvg2_static(info: ModelInfo, calib) -> Recipe:
     return Recipe(info, uniform_scheme("qvg2_static", info.num_layers, spec, spec, pol, notes), tensors)
 
 
+def _nvfp4(info: ModelInfo, calib) -> Recipe:
+    spec = TensorSpec(bits=4, kind="nvfp4", group_size=16)
+    notes = "NVFP4: E2M1 values, E4M3 scale per 16 channels, float32 scale per head and frame (max|x| / 2688)"
+    return Recipe(info, uniform_scheme("nvfp4", info.num_layers, spec, spec, TokenPolicy(sink_frames=0, recent_frames=0),
+                                       notes), {})
+
+
 BUILDERS = {
     "fp16": _fp16,
     "naive2": _naive2,
@@ -311,6 +324,7 @@ BUILDERS = {
     "turbo2.5": _turbo25,
     "jensen2": _jensen2,
     "qvg2_static": _qvg2_static,
+    "nvfp4": _nvfp4,
 }
 BASELINES = tuple(BUILDERS)
 CALIBRATED = ("kvquant2", "qvg2_static")  # need K/V samples from a calibration replay

@@ -10,7 +10,7 @@ codebook reconstructions. `tests/test_reader.py` holds it to `calibrate`'s own l
     scale = tensors["layers.0.k.scale"]                   # [H, D] float32 (static per-channel)
     var = tensors.get("layers.0.k.logit_bias")             # [H, D] or None: key-noise logit correction
 
-Format 1.1 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_turbo` and
+Format 1.1 and 1.2 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_nvfp4`, `dequantize_turbo` and
 `dequantize_turbo_prod` (TurboQuant), and `jensen_correction` for specs with `jensen`.
 
 Bit-exact encoding and decoding of the per-frame kinds (FORMAT.md "Arithmetic"): the runtime's
@@ -269,7 +269,7 @@ def predictive_anchor(v, tensors, layer, kind, head):
 
 
 # ---- format 1.1 -----------------------------------------------------------------------------------
-KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "predictive")  # a kind outside this list: refuse the recipe
+KINDS = ("uniform", "codebook", "prq", "turbo", "turbo_prod", "nvfp4", "predictive")  # a kind outside this list: refuse the recipe
 
 
 def check_kinds(path, meta):
@@ -290,6 +290,31 @@ def fp8_e4m3(bits_u8):
     val = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * np.exp2(exp - 7.0))
     val = np.where((exp == 15) & (man == 7), np.nan, val)
     return (sign * val).astype(np.float32)
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)  # kind "nvfp4": magnitudes by index
+
+
+def e2m1_index(a):
+    """Kind "nvfp4": E2M1 magnitude index of a = |u| >= 0: nearest magnitude, a tie to the even
+    index, >= 6 -> 7 (the 7 midpoints crossed; from an even index only above the midpoint)."""
+    a = np.asarray(a, dtype=F32)
+    m = np.zeros(a.shape, dtype=np.uint8)
+    for k in range(7):
+        mid = (E2M1[k] + E2M1[k + 1]) / F32(2)
+        m += (a >= mid) if k % 2 else (a > mid)
+    return m
+
+
+def dequantize_nvfp4(codes, scale_fp8, tensor_scale):
+    """Kind "nvfp4": codes [B, T, D] (unpacked), scale_fp8 [B, T, D/16, 1] (uint8 E4M3 bit
+    patterns), tensor_scale [B, 1, 1] float32: (-1)^[code >= 8] E2M1[code mod 8] * (s_b * s_t)."""
+    codes = np.asarray(codes)
+    g = codes.reshape(*codes.shape[:-1], -1, 16)
+    v = E2M1[g & 7]
+    v = np.where(g >= 8, -v, v)
+    p = fp8_e4m3(scale_fp8) * np.asarray(tensor_scale, dtype=F32)[..., None]
+    return (v * p).reshape(codes.shape)
 
 
 def index_bits(num_centroids):
@@ -701,6 +726,14 @@ def _quantize(y, spec, p, span_state):
         gamma = fp16(np.minimum(np.sqrt(sum_squares(r)), F32(65504)))
         z = (matmul(r, np.asarray(p["qjl"], dtype=F32).T) >= 0).astype(np.uint8)
         return idx + (z << (bits - 1)), {"norm": norm.astype(np.float16), "gamma": gamma.astype(np.float16)}
+    if kind == "nvfp4":
+        s_t = np.maximum(np.abs(y).max(axis=(-2, -1), keepdims=True) / F32(6 * 448), F32(2.0**-126))
+        g = _groups(y, 16)
+        s_b, s_b_bits = e4m3(np.clip(np.abs(g).max(axis=-1, keepdims=True) / F32(6) / s_t[..., None],
+                                     F32(2.0**-9), F32(448)))
+        u = g / (s_b * s_t[..., None])
+        codes = e2m1_index(np.abs(u)) + (u < 0).astype(np.uint8) * np.uint8(8)
+        return codes.reshape(y.shape), {"scale": s_b_bits, "tensor": s_t.astype(F32)}
     raise ValueError(f"kind {kind!r} is not a per-frame kind")
 
 
@@ -733,6 +766,8 @@ def decode_head(stored, spec, p, head_dim, span_state=None):
         y = dequantize_turbo(codes, stored["p_norm"], p["lloyd_max"])
     elif kind == "turbo_prod":
         y = dequantize_turbo_prod(codes, stored["p_norm"], stored["p_gamma"], p["lloyd_max"], p["qjl"], bits)
+    elif kind == "nvfp4":
+        y = dequantize_nvfp4(codes, stored["p_scale"], stored["p_tensor"])
     else:
         raise ValueError(f"kind {kind!r} is not a per-frame kind")
     return _finish(np.asarray(y, dtype=F32), stored, p, kind)

@@ -19,6 +19,7 @@ SPECS = {
     "prq": TensorSpec(bits=2, kind="prq", group_size=8, prq_stages=1, prq_centroids=2),
     "turbo": TensorSpec(bits=2, kind="turbo", rotation="hadamard"),
     "turbo_prod": TensorSpec(bits=3, kind="turbo_prod", rotation="hadamard"),
+    "nvfp4": TensorSpec(bits=4, kind="nvfp4", group_size=16),
 }
 
 

@@ -211,7 +211,7 @@ class _Recorded(KVCache):
         self.calls.append((seen.layer, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope))
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2_lowmem", "turbo2.5", "jensen2"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2_lowmem", "turbo2.5", "jensen2", "nvfp4"])
 def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
     """TinyWorld's own K/V, fed to both runtimes step by step (teacher-forced): records equal bitwise,
     outputs within float rounding at every step, bytes as predicted. Free rollouts are not compared:
@@ -388,10 +388,11 @@ def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
             torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=0.05, rtol=0.02)  # bf16
 
 
-@pytest.mark.parametrize("name", ["naive2", "kivi2", "quarot2"])
+@pytest.mark.parametrize("name", ["naive2", "kivi2", "quarot2", "nvfp4"])
 def test_per_frame_token_blocks_equal_the_reference(name):
     """A small workspace: frames decoded and coded 8 tokens at a time (per-channel ranges gathered
-    over the blocks first), queries in chunks, the fresh frame's keys rotated per block."""
+    over the blocks first; nvfp4's per-frame scale needs the whole frame), queries in chunks, the
+    fresh frame's keys rotated per block."""
     info = INFO.__class__("toy16", 2, 2, 16, T16, "f" * 16)
     recipe = build_baseline(name, info)
     ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)

@@ -19,12 +19,14 @@ from calibrate.recipe import load_recipe
 from calibrate.schemes import BASELINES, preset_scheme
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = ("qvg2", "qvg2_lowmem", "qvg2_static", "kivi2_lowmem", "turbo2.5", "jensen2")
+PEERS = ("qvg2", "qvg2_lowmem", "qvg2_static", "kivi2_lowmem", "turbo2.5", "jensen2", "nvfp4")
 # steady-state bits/element on TinyWorld (window 16 + 1 sink), the most over the phases: every peer
 # at <= 2.5 but jensen2, whose per-channel key parameters on 16-token frames cost 2 bits, and qvg2
 # as published, whose pending spans wait in 16 bits: per head at the worst phase 7 pending frames
-# x 2048 bytes + 10 coded x 274 (FORMAT.md) + 3 span states x 256 over 17 x 2048 in float16 = 8.2004
-BITS = {"qvg2": 8.2004, "qvg2_lowmem": 2.494, "qvg2_static": 2.25, "kivi2_lowmem": 2.5, "turbo2.5": 2.375, "jensen2": 3.25}
+# x 2048 bytes + 10 coded x 274 (FORMAT.md) + 3 span states x 256 over 17 x 2048 in float16 = 8.2004; nvfp4
+# 512 code bytes + 64 E4M3 scales + one float32 per head and frame = 580 / 2048 x 16 = 4.53125
+BITS = {"qvg2": 8.2004, "qvg2_lowmem": 2.494, "qvg2_static": 2.25, "kivi2_lowmem": 2.5, "turbo2.5": 2.375, "jensen2": 3.25,
+        "nvfp4": 4.53125}
 SMALL_CHECK = TrajectoriesConfig(name="check-small", split="evaluation", families=["orbit", "static"],
                                  num_trajectories=2, num_frames=32, seed=100)
 

@@ -2,7 +2,7 @@
 
 Two kinds of evidence: FORMAT.md's arithmetic golden vectors, which both `calibrate.codec` and
 the numpy reader must reproduce, and recipes exercising every role of the per-frame kinds
-(uniform, codebook, prq, turbo, turbo_prod; widths 2/3/4/8/16 per head; sink, recent and key
+(uniform, codebook, prq, turbo, turbo_prod, nvfp4; widths 2/3/4/8/16 per head; sink, recent and key
 frames; rotations, centroids, outliers, sparse entries, compensators, clip roles, logit bias)
 run through `QuantizedKVCache` while the reader encodes the same frames on its own: every
 stored byte and every decoded float must be equal. (Predictive tensors decode to exactly the
@@ -59,8 +59,17 @@ def bits16(a) -> list[int]:
 def test_every_golden_table_is_present():
     for heading, n in (("Uniform levels", 5), ("Fixed-order sums", 2), ("Clip rounding", 1), ("Constant groups", 6),
                        ("Square roots", 2), ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2),
-                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1)):
+                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1), ("NVFP4 ties", 10)):
         assert len(golden(heading)) == n, heading
+
+
+@pytest.mark.parametrize("row", golden("NVFP4 ties"), ids=lambda r: r[0])
+def test_golden_nvfp4_ties(row):
+    from calibrate.codes.nvfp4 import magnitude_index
+
+    a, want = np.float32(row[0]), int(row[1])
+    assert int(magnitude_index(torch.tensor([a]))[0]) == want
+    assert int(reader.e2m1_index(np.array([a]))[0]) == want
 
 
 @pytest.mark.parametrize("row", golden("Uniform levels"), ids=lambda r: f"{r[0]}bit@{r[1]}")
@@ -301,9 +310,16 @@ RECIPES = {
          (TensorSpec(bits=2, kind="turbo_prod", rotation="hadamard", outliers=1),
           TensorSpec(bits=4, kind="turbo", rotation="random", sparse_fraction=0.05))],
         TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1, recent_bits=16, keyframe_interval=3, keyframe_bits=16)),
+    # NVFP4: E2M1 codes, E4M3 block scales, a float32 scale per head and frame (the all-zero head: its floor)
+    "nvfp4": lambda: every_role_recipe(
+        "nvfp4",
+        [(TensorSpec(bits=4, kind="nvfp4", group_size=16), TensorSpec(bits=4, kind="nvfp4", group_size=16, rotation="random")),
+         (TensorSpec(bits=4, kind="nvfp4", group_size=16, rotation="hadamard", outliers=1),
+          TensorSpec(bits=4, kind="nvfp4", group_size=16, sparse_fraction=0.05, centroids=2))],
+        TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1, recent_bits=4, keyframe_interval=3, keyframe_bits=16)),
 }
 WIDTHS = {"uniform_codebook": {2, 3, 4, 8, 16}, "dynamic_channel": {2, 3, 4, 8, 16}, "prq": {2, 3, 4, 8},
-          "turbo": {2, 3, 4, 16}}  # the widths each recipe's frames are held at, over the run
+          "turbo": {2, 3, 4, 16}, "nvfp4": {4, 16}}  # the widths each recipe's frames are held at, over the run
 NUM_FRAMES, WINDOW, SINKS = 13, 6, 1
 
 

@@ -47,6 +47,7 @@ class Kind:
     uniform_step: bool = False  # every coded element has a uniform grid step (the Jensen correction, codec.key_steps)
     per_token: bool = False  # codes per token: axis "token", not static
     own_width: bool = False  # levels for the spec's one width only: sink/recent/key frames at 16 bits or that width
+    frame_wide: bool = False  # a dynamic parameter spans the frame's tokens: a runtime codes the frame whole
     table: str | None = None  # the role whose per-head rows `steps` looks codes up in (quant/headcodec.py)
 
 
