@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import kept_frames, rotate_pairs
-from calibrate.codec import frame_nbytes, span_of, span_state_nbytes
+from calibrate.codec import span_of, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import is_keyframe
