@@ -192,8 +192,8 @@ class FrameStore:
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
         """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
         codes at once, dynamic per-channel ranges (kind uniform) gathered over the blocks first. Dense-
-        and-sparse values, other per-channel kinds, frame-wide kinds and span centroids see the whole frame; a span's
-        first frame coded below 16 bits fits the span's state first."""
+        and-sparse values, other per-channel kinds, frame-wide kinds (`Kind.frame_wide`) and span
+        centroids see the whole frame; a span's first frame coded below 16 bits fits the span's state first."""
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
             spec = self.specs[kind]
@@ -203,7 +203,7 @@ class FrameStore:
                          and (not ranged or spec.kind == "uniform"))
             step = self.write_block if by_tokens else self.T
             if step == self.T and not isinstance(x, Tensor):
-                x = x.full()  # per-channel ranges and span centroids need the whole frame
+                x = x.full()  # per-channel ranges, frame-wide scales and span centroids need the whole frame
             heads = lambda t, g: t if len(g.heads) == self.H else t[:, g.heads]
             state = None
             if spanned:
