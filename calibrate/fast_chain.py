@@ -43,6 +43,7 @@ from torch import Tensor
 from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.chainscan import segmented_states
+from calibrate.quant import predictive
 
 FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
@@ -77,10 +78,9 @@ class ChainStore:
         bits, self.s_intra, self.s_inter = cat("channel_bits"), cat("intra_step"), cat("inter_step")
         anchor_bits = cat("anchor_bits")
         self.levels = (1 << bits) - 1
-        self.limit = torch.where(anchor_bits > 0, (1 << (anchor_bits - 1).clamp_min(0)) - 1, 0)
         self.offset = torch.where(anchor_bits > 0, 1 << (anchor_bits - 1).clamp_min(0), 0)
-        self.weight = self.unit * self.unit
-        self.levels_s = self.levels * self.s_inter  # n s^P (inter_range)
+        self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
+                                                  self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None])
         self.s32 = [t.to(torch.int32) for t in (self.levels, self.s_intra, self.s_inter)]
         self.codes_layout = RowLayout.concat(bits.tolist(), device)
         self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
@@ -214,23 +214,9 @@ class ChainStore:
         return torch.gather(v, -1, self.comp.expand(*v.shape[:-1], self.Dc)).float() * self.comp_valid
 
     def encode(self, x_BGTD: Tensor, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """quant/predictive.encode for every head at once: (inter [B,G,T], codes, states [B,G,T,D] int64)."""
-        mean, R, unit = self.mean[:, None], self.rotation, self.unit[:, None]
-        n, s_i, s_p, V = (t[:, None] for t in (self.levels, self.s_intra, self.s_inter, self.limit))
-        tau = ((x_BGTD.float() - mean) @ R) / unit
-        c_i = _code(tau, s_i.float(), n.float(), torch.zeros_like(n), n)
-        v_i = s_i * (2 * c_i - n)
-        if v_prev is None:
-            return torch.zeros(tau.shape[:-1], dtype=torch.bool, device=tau.device), c_i, v_i
-        lo = (-torch.div(v_prev + V - self.levels_s[:, None], 2 * s_p, rounding_mode="floor")).clamp_min(0)
-        hi = torch.minimum(torch.div(self.levels_s[:, None] + V - v_prev, 2 * s_p, rounding_mode="floor"), n)
-        c_p = _code(tau - v_prev.float(), s_p.float(), n.float(), lo, hi)
-        v_p = v_prev + s_p * (2 * c_p - n)
-        w = self.weight[:, None]
-        err_i = ((tau - v_i.float()).pow(2) * w).sum(-1)
-        err_p = ((tau - v_p.float()).pow(2) * w).sum(-1)
-        use_p = err_p <= err_i
-        return use_p, torch.where(use_p.unsqueeze(-1), c_p, c_i), torch.where(use_p.unsqueeze(-1), v_p, v_i)
+        """quant/predictive.encode itself, every head at once (its parameters stacked [G, 1, D] to
+        broadcast over [B, G, T, D]): (inter [B,G,T], codes, states [B,G,T,D] int64)."""
+        return predictive.encode(x_BGTD, self.params, v_prev)
 
     def values(self, states: Tensor) -> Tensor:
         """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
@@ -405,8 +391,3 @@ def token_block(x, tokens: slice) -> Tensor:
     (`fastcache.RotatedKeys`: post-rotary keys made a block at a time)."""
     return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
 
-
-def _code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    """quant/predictive._code: the mid-rise code in [lo, hi] nearest to t (same float32 steps)."""
-    c = torch.round((t / step + n) / 2)
-    return torch.minimum(torch.maximum(c, lo.to(c.dtype)), hi.to(c.dtype)).to(torch.int64)

@@ -72,7 +72,7 @@ def to_units(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
     return ((x_BTD.float() - p.mean_D) @ p.rotation_DD) / p.unit_D
 
 
-def _code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+def mid_rise_code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     """The mid-rise code c in [lo, hi] nearest to t on the levels step * (2c - n)."""
     c = torch.round((t / step + n) / 2)
     return torch.minimum(torch.maximum(c, lo.to(c.dtype)), hi.to(c.dtype)).to(torch.int64)
@@ -81,7 +81,7 @@ def _code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
 def intra(tau_BTD: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
     """Intra codes and states: v = s^I (2c - n); 0-bit components give v = 0."""
     n = p.levels_D
-    c = _code(tau_BTD, p.intra_step_D.float(), n.float(), torch.zeros_like(n), n)
+    c = mid_rise_code(tau_BTD, p.intra_step_D.float(), n.float(), torch.zeros_like(n), n)
     return c, p.intra_step_D * (2 * c - n)
 
 
@@ -96,7 +96,7 @@ def inter_range(v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
 def inter(tau_BTD: Tensor, v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
     """Inter codes and states: v = v' + s^P (2c - n), never outside the anchor range."""
     lo, hi = inter_range(v_prev, p)
-    c = _code(tau_BTD - v_prev.float(), p.inter_step_D.float(), p.levels_D.float(), lo, hi)
+    c = mid_rise_code(tau_BTD - v_prev.float(), p.inter_step_D.float(), p.levels_D.float(), lo, hi)
     return c, v_prev + p.inter_step_D * (2 * c - p.levels_D)
 
 
