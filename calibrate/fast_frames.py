@@ -1,8 +1,7 @@
 """The fast runtime's storage of per-frame codes (every per-frame kind): one ring per class.
 
-A frame's K/V of one layer are held, per the token policy (memory.final_bits), at the width of
-its class: `recent` (the newest `recent_frames`, at `recent_bits`), `sink`, `key` (key frames)
-or `main` (the spec's width per head). `FrameStore` keeps one *pool* per class, each a set of
+A frame's K/V of one layer are held at the width of its class (memory.frame_class: `recent`,
+`sink`, `key` or `main`, the spec's width per head). `FrameStore` keeps one *pool* per class, each a set of
 buffers [B, Hg, capacity, ...] per group of heads stored alike (`quant/headcodec.GroupCodec`:
 same width, same clip ratio, compensator or not), allocated at the first frame. A frame gets a
 slot in its class's pool when it is coded (at once, or when it leaves the recent window, from
@@ -31,7 +30,7 @@ from calibrate.cache import kept_frames, rotate_pairs
 from calibrate.codec import span_of, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
-from calibrate.memory import is_keyframe
+from calibrate.memory import frame_class
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
@@ -56,16 +55,6 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
                                                     (policy.keyframe_interval, policy.keyframe_bits))):
         return "kind 'prq' with span centroids and sink, recent or key frames below 16 bits"
     return None
-
-
-def frame_class(policy, index: int, num_appended: int) -> str:
-    if policy.recent_frames and index >= num_appended - policy.recent_frames:
-        return "recent"
-    if index < policy.sink_frames:
-        return "sink"
-    if is_keyframe(policy, index):
-        return "key"
-    return "main"
 
 
 class Pool:

@@ -38,6 +38,18 @@ def is_keyframe(policy: TokenPolicy, index: int) -> bool:
     return policy.keyframe_interval > 0 and index % policy.keyframe_interval == 0
 
 
+def frame_class(policy: TokenPolicy, index: int, num_appended: int) -> str:
+    """The precision class of frame `index` after `num_appended` appends: "recent" (the newest
+    `recent_frames`), then "sink", "key" (`is_keyframe`) or "main" (the spec's own width)."""
+    if policy.recent_frames and index >= num_appended - policy.recent_frames:
+        return "recent"
+    if index < policy.sink_frames:
+        return "sink"
+    if is_keyframe(policy, index):
+        return "key"
+    return "main"
+
+
 def final_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int) -> int:
     """Bits frame `index` of one head is stored at once it leaves the recent window."""
     if index < policy.sink_frames:
@@ -97,7 +109,7 @@ def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_
     """Bits frame `index` of one head is held at after `num_appended` appends (recent window, a
     deferred span not yet complete, or its final class): the rule `predicted_cache_bytes` applies
     to every kept frame."""
-    if policy.recent_frames and index >= num_appended - policy.recent_frames:
+    if frame_class(policy, index, num_appended) == "recent":
         return policy.recent_bits
     if span_pending(spec, index, num_appended):
         return 16
