@@ -175,6 +175,10 @@ def task_function(task: str):
         from calibrate.capacity import run_capacity
 
         return run_capacity
+    if task == "train_world":
+        from calibrate.train_world import run_train_world
+
+        return run_train_world
     from calibrate import pipeline
 
     return getattr(pipeline, f"run_{task}", None)
