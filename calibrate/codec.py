@@ -45,7 +45,7 @@ from torch import Tensor
 
 from calibrate.codes import FP, FP_EPS, KINDS
 from calibrate.quant import codebook, ordered, packing, qvg
-from calibrate.recipe import TensorSpec
+from calibrate.scheme_spec import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 from calibrate.quant import packing
 
 if TYPE_CHECKING:
-    from calibrate.recipe import TensorSpec
+    from calibrate.scheme_spec import TensorSpec
 
 FP = torch.float16  # storage type of kept-in-full-precision values and dynamic parameters
 FP_EPS = 2.0**-24  # smallest positive float16: dynamic scales never round to 0 when stored

@@ -10,7 +10,7 @@ FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits"
 
 
 def check(s, where: str) -> str | None:
-    from calibrate.recipe import TensorSpec  # the fields' defaults
+    from calibrate.scheme_spec import TensorSpec  # the fields' defaults
 
     plain = TensorSpec(kind="predictive", **{name: getattr(s, name) for name in FIELDS})
     if s != plain:

@@ -26,7 +26,7 @@ from calibrate import codec
 from calibrate.codes import FP, KINDS
 from calibrate.codes.uniform import channel_quantize
 from calibrate.quant import affine, codebook, ordered, packing, qvg, turbo
-from calibrate.recipe import TensorSpec
+from calibrate.scheme_spec import TensorSpec
 
 
 def _matmul_heads(x: Tensor, m_HKN: Tensor) -> Tensor:
