@@ -113,6 +113,7 @@ class FitConfig:
     intra_mults: list[float] = field(default_factory=lambda: [1.0, 1.3, 1.7])  # intra step / Gaussian-optimal step
     intra_mult_max: float = 8.0  # the intra grid grows past its top (x1.3) while a head chooses the top, up to this
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
+    inter_mult_max: float = 1.4  # the same for the inter grid; 1.4, its top: it does not grow (the closed loop scales it)
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
     closed_loop_scales: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4, 2.0])  # inter-step scales tried in rollouts
     # both codes:
@@ -146,8 +147,9 @@ class FitConfig:
             values = getattr(self, name)
             if not values or any(not (math.isfinite(v) and v > 0) for v in values):
                 raise ValueError(f"config: fit.{name} must be a non-empty list of positive numbers, got {values}")
-        if not (math.isfinite(self.intra_mult_max) and self.intra_mult_max > 0):
-            raise ValueError(f"config: fit.intra_mult_max must be a positive number, got {self.intra_mult_max}")
+        for name in ("intra_mult_max", "inter_mult_max"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"config: fit.{name} must be a positive number, got {getattr(self, name)}")
         if not (math.isfinite(self.bits_step) and 0 < self.bits_step <= 4):
             raise ValueError(f"config: fit.bits_step must lie in (0, 4], got {self.bits_step}")
         if not math.isfinite(self.budget_bits):

@@ -189,15 +189,22 @@ def test_a_grid_whose_top_most_heads_chose_is_named():
     assert grid_edges(layers, cfg) == []
 
 
-def test_the_intra_grid_grows_until_no_head_chooses_its_top(model):
-    """From a far too fine grid (0.3) the search must widen the intra steps by x1.3 while any head's
-    best pair sits at the top, choose each head's lowest score over everything it searched, and
-    stop at `fit.intra_mult_max` (a cap at the grid's own top searches the grid alone)."""
-    from calibrate.fit.predictive_search import INTRA_GROWTH, fit_predictive
+@pytest.mark.parametrize("axis", [0, 1], ids=["intra", "inter"])
+def test_a_step_grid_grows_until_no_head_chooses_its_top(model, axis):
+    """From a far too fine grid (0.3) on one axis the search must widen that axis by x1.3 while any
+    head's best pair sits at its top, choose each head's lowest score over everything it searched,
+    and stop at the axis's cap (a cap at the grid's own top searches the grid alone). The other axis
+    keeps its grid, capped at its top."""
+    from calibrate.config import FitConfig
+    from calibrate.fit.predictive_search import GRID_GROWTH, fit_predictive
     from calibrate.trace import LayerTraces
 
+    role, other_role = ("intra_mult", "inter_mult")[axis], ("intra_mult", "inter_mult")[1 - axis]
+    other_top = max(getattr(FitConfig(), f"{other_role}s"))
+
     def search(**fit):
-        cfg = tiny_fit_config(mixed_precision=False, intra_mults=[0.3], **fit)
+        cfg = tiny_fit_config(mixed_precision=False, **{f"{role}s": [0.3], f"{role}_max": 8.0,
+                                                        f"{other_role}_max": other_top, **fit})
         recorder = calibration.calibration_recording(cfg, model, CPU)
         traces = LayerTraces(recorder.traces[0], 16, 1, cfg.fit.trace_trajectories)
         _, record, _ = fit_predictive(as_world(model).info, traces, recorder.stats, cfg.fit, 16, 1,
@@ -205,19 +212,21 @@ def test_the_intra_grid_grows_until_no_head_chooses_its_top(model):
         return cfg.fit, record["layers"]
 
     cfg, layers = search()
+    other = (cfg.intra_mults, cfg.inter_mults)[1 - axis]
     grown = 0
     for entry in layers:
         for kind in ("k", "v"):
             e = entry[kind]
-            intra = sorted({a for a, _ in e["grid"]})
-            assert intra[0] == 0.3 and {tuple(p) for p in e["grid"]} == {(a, b) for a in intra for b in cfg.inter_mults}
-            assert all(round(x * INTRA_GROWTH, 2) == y for x, y in zip(intra, intra[1:]))
-            grown += len(intra) > 1
-            at_cap = round(intra[-1] * INTRA_GROWTH, 2) > cfg.intra_mult_max
-            assert at_cap or all(a < intra[-1] for a in e["intra_mult"])
+            values = sorted({p[axis] for p in e["grid"]})
+            pairs = {(a, b) if axis == 0 else (b, a) for a in values for b in other}
+            assert values[0] == 0.3 and {tuple(p) for p in e["grid"]} == pairs
+            assert all(round(x * GRID_GROWTH, 2) == y for x, y in zip(values, values[1:]))
+            grown += len(values) > 1
+            at_cap = round(values[-1] * GRID_GROWTH, 2) > getattr(cfg, f"{role}_max")
+            assert at_cap or all(m < values[-1] for m in e[role])
             for h, (a, b) in enumerate(zip(e["intra_mult"], e["inter_mult"])):
                 column = [s[h] for s in e["scores"]]
                 assert column[e["grid"].index([a, b])] == min(column)
     assert grown > 0
-    _, capped = search(intra_mult_max=0.3)
-    assert all({a for a, _ in entry[kind]["grid"]} == {0.3} for entry in capped for kind in ("k", "v"))
+    _, capped = search(**{f"{role}_max": 0.3})
+    assert all({p[axis] for p in entry[kind]["grid"]} == {0.3} for entry in capped for kind in ("k", "v"))

@@ -12,8 +12,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    redundancy the code exploits.
 2. **Per tensor** (K with V in full precision, then V with the fitted K): each head's intra and
    inter step multipliers from `fit.intra_mults` x `fit.inter_mults`, the pair with the lowest
-   objective per head (heads are independent in the objective), at the base width; the intra
-   grid grows past its top while a head chooses it (up to `fit.intra_mult_max`).
+   objective per head (heads are independent in the objective), at the base width; each axis
+   grows past its top while a head chooses it (up to `fit.intra_mult_max` / `fit.inter_mult_max`).
 3. **Mixed precision**: a greedy allocator adds `fit.bits_step` bits per component to one head of
    one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
    next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
 MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
-INTRA_GROWTH = 1.3  # each step past the top of fit.intra_mults multiplies it by this
+GRID_GROWTH = 1.3  # each step past the top of fit.intra_mults / fit.inter_mults multiplies it by this
 
 
 class BudgetError(ValueError):
@@ -192,18 +192,19 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
     """One layer's step multipliers per head: K with V in full precision, then V with the fitted K,
     each the pair of `fit.intra_mults` x `fit.inter_mults` with the lowest objective per head.
 
-    The intra grid grows past its top (x `INTRA_GROWTH`, up to `fit.intra_mult_max`) while some
-    head's best pair sits at its top: no fixed grid knows how wide a model's tails are (WanWorld's
-    heads took 1.7, the old grid's top, in all 16 heads, and 3.0 in 12 of 16 with the grid widened
-    to 3.0; each widening gained in the rollout, `artifacts/benchmarks/wanworld_intra_grid.md`)."""
+    Each axis grows past its top (x `GRID_GROWTH`, up to `fit.intra_mult_max` / `fit.inter_mult_max`)
+    while some head's best pair sits at that top: no fixed grid knows how wide a model's tails are
+    (WanWorld's heads took 1.7, the old intra grid's top, in all 16 heads, and 3.0 in 12 of 16 with
+    the grid widened to 3.0; each widening gained in the rollout, `wanworld_intra_grid.md`). The
+    inter axis's cap is its top by default: it does not grow."""
     lam = cfg.lambda_temporal
     entry, k_hat = {}, None
     for kind in KINDS:
         fit = TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer), [])
         H = fit.mean.shape[0]
-        intra, scores = list(cfg.intra_mults), {}
+        axes, caps, scores = (list(cfg.intra_mults), list(cfg.inter_mults)), (cfg.intra_mult_max, cfg.inter_mult_max), {}
         while True:
-            for pair in product(intra, cfg.inter_mults):
+            for pair in product(*axes):
                 if pair not in scores:
                     fit.heads = [HeadCode(base_bits, *pair)] * H
                     hat = reconstruct(trace, fit, cfg)
@@ -211,16 +212,20 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
                                                   hat if kind == "v" else None, lam)
             grid = list(scores)
             best = torch.stack([scores[p] for p in grid]).argmin(0).tolist()
-            wider = round(max(intra) * INTRA_GROWTH, 2)
-            if wider > cfg.intra_mult_max or all(grid[i][0] < max(intra) for i in best):
+            grown = False
+            for axis, (values, cap) in enumerate(zip(axes, caps)):
+                wider = round(max(values) * GRID_GROWTH, 2)
+                if wider <= cap and any(grid[i][axis] == max(values) for i in best):
+                    values.append(wider)
+                    grown = True
+            if not grown:
                 break
-            intra.append(wider)
         if kind == "k":
             fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
             k_hat = reconstruct(trace, fit, cfg)
         entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
-                       "why": "lowest teacher-forced objective per head over the grid (fit.intra_mults, grown "
-                              "while a head chose its top, x fit.inter_mults)",
+                       "why": "lowest teacher-forced objective per head over the grid (fit.intra_mults x "
+                              "fit.inter_mults, each grown while a head chose its top, up to its cap)",
                        "grid": [list(p) for p in grid],
                        "scores": [[round(float(scores[p][h]), 6) for h in range(H)] for p in grid]}
     return entry
@@ -228,8 +233,8 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
 
 def grid_edges(layers: list[dict], cfg: FitConfig) -> list[str]:
     """One line per step axis whose largest searched value most heads chose: the best step may lie
-    beyond it (the intra axis grows by itself up to `fit.intra_mult_max`; the inter axis is
-    `fit.inter_mults`, which the closed loop then scales)."""
+    beyond it (each axis grows by itself up to its cap, `fit.intra_mult_max` / `fit.inter_mult_max`;
+    the closed loop then scales the inter steps)."""
     out = []
     for axis, role in enumerate(("intra_mult", "inter_mult")):
         chosen = at_top = 0
@@ -241,9 +246,8 @@ def grid_edges(layers: list[dict], cfg: FitConfig) -> list[str]:
                 chosen += len(entry[kind][role])
                 at_top += sum(m == max(searched) for m in entry[kind][role])
         if len(values) > 1 and chosen and 2 * at_top > chosen:
-            fix = (f"raise fit.intra_mult_max (now {cfg.intra_mult_max})" if role == "intra_mult" else
-                   f"widen fit.inter_mults, e.g. [{','.join(str(g) for g in sorted(cfg.inter_mults))},"
-                   f"{round(max(cfg.inter_mults) * 1.3, 1)}]")
+            cap = cfg.intra_mult_max if role == "intra_mult" else cfg.inter_mult_max
+            fix = f"raise fit.{role}_max (now {cap})"
             out.append(f"fit: {at_top} of {chosen} heads chose the largest {role} searched "
                        f"(up to {max(values)}): the best step may lie beyond it; {fix}")
     return out
