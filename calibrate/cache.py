@@ -8,18 +8,18 @@ those keys, and gets back the attention output over everything the cache holds:
 
 `attend` is written once, here, for every cache:
 
-1. `append` stores the frame's K/V (`_store`, post-rotary keys) and evicts what the token
-   policy no longer keeps;
-2. `gather` returns the keys/values the frame attends to: the kept history as stored
-   (`_load`), then the frame's own fresh K/V (the runtime quantizes only what it stores);
+1. `append` stores the frame's K/V and evicts what the token policy no longer keeps;
+2. `gather` returns the keys/values the frame attends to: the kept history as stored (`read`),
+   then the frame's own fresh K/V (the runtime quantizes only what it stores);
 3. they are scored (`attention_logits`, plus the cache's `logit_bias`), and the output is the
    softmax of the logits times the values (`blocked_attention`);
 4. `observe` is handed all of it as an `Attended` record.
 
-Implementations change how a frame is stored and read back (`_store`/`_load`: the packed
-runtime), the logit bias (the runtime's key-noise correction), or what they observe (recording
-statistics, shadowing quantized caches); none rewrites `attend`, so recording or shadowing can
-never change a rollout. The model does not know which cache it has.
+Implementations change how a frame is stored and read back (`append`/`read`: the packed
+runtimes, which keep their own records; or only the per-frame hooks `_store`/`_load` of this
+class's records: the noise twin), the logit bias (the runtime's key-noise correction), or what
+they observe (recording statistics, shadowing quantized caches); none rewrites `attend`, so
+recording or shadowing can never change a rollout. The model does not know which cache it has.
 
 Scores are never held for all of a frame's queries at once when they would be large: `attend`
 computes the output a block of query rows at a time (`query_blocks`: at most
@@ -177,8 +177,9 @@ class Attended:
 class KVCache:
     """Base class and the full-precision implementation (sink frames + rolling window).
 
-    Subclasses change how a frame is stored (`_store`) and read back (`_load`), the logit bias
-    (`logit_bias`) or what they `observe`; `attend` and the eviction bookkeeping live here once.
+    Subclasses change how a frame is stored and read back (`append`/`read`, or only the per-frame
+    hooks `_store`/`_load`), the logit bias (`logit_bias`) or what they `observe`; `attend` lives
+    here once.
     """
 
     def __init__(self, num_layers: int, window: int = 16, sink_frames: int = 1):
