@@ -45,6 +45,13 @@ def equal_memory(rep: dict, budget: float = 2.5) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strip_links(md: str, run_dir: Path) -> str:
+    """The report's frame strips are GIFs of about 2 MB each: they stay in the run directory, and the
+    committed report names where instead of linking a file the repository does not hold."""
+    return re.sub(r"!\[[^\]]*\]\((strip_[^)]+\.gif)\)",
+                  lambda m: f"`{(run_dir / m.group(1)).as_posix()}` (a run output, not committed)", md)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default="compare")
@@ -78,6 +85,7 @@ def main(argv=None) -> int:
     for png in run_dir.glob("*.png"):
         shutil.copyfile(png, out / f"{args.name}_{png.name}")
         md = md.replace(f"]({png.name})", f"]({args.name}_{png.name})")
+    md = strip_links(md, run_dir)
     header = (f"Command: `{command}` (= `python -m calibrate {' '.join(overrides)}`), {minutes:.1f} min on this 2-core "
               f"CPU, torch threads {torch.get_num_threads()}.\n\n`ours` is the shipped recipe "
               f"(`recipes/{args.model}-ours-2bit.safetensors`).\n\n")
