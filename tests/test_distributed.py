@@ -141,8 +141,10 @@ def test_torchrun_calibrate_writes_the_single_process_recipe(tiny_weights, tmp_p
     """`torchrun --nproc_per_node 2 -m calibrate device=cpu`: the replay shards trajectories, the
     trace goes to each layer's owner, the predictive fit shards the layers (one per rank here),
     and rank 0 alone evaluates and writes: the same recipe as one process. Its integer tensors,
-    scheme, memory and every choice are equal; float tensors agree within 1e-6 (seen: a rotation
-    off by one ulp), because the all-reduce sums the float64 statistics in another order. Both
+    scheme, memory and every choice are equal; float tensors agree within 1e-6, PCA rotations within
+    1e-4, because the all-reduce sums the float64 statistics in another order and an eigenvector
+    moves by that change over its eigenvalue gap (natively 1 ulp; under MKL_CBWR=AVX2 on an AVX-512
+    CPU up to 1.8e-5, the bound README states for recipes fitted on another CPU). Both
     runs batch 2 trajectories: TinyWorld's float32 rollout of a trajectory can differ in the last
     bit with the batch size (MKL picks kernels by matrix size)."""
     from safetensors import safe_open
@@ -164,7 +166,8 @@ def test_torchrun_calibrate_writes_the_single_process_recipe(tiny_weights, tmp_p
         if t.dtype == torch.int64:
             assert torch.equal(multi[key], t), key
         else:
-            torch.testing.assert_close(multi[key], t, atol=1e-6, rtol=0, msg=key)
+            atol = 1e-4 if key.endswith(".rotation") else 1e-6
+            torch.testing.assert_close(multi[key], t, atol=atol, rtol=0, msg=key)
     assert meta1["scheme"] == meta2["scheme"] and meta1["memory"] == meta2["memory"]
     fit1, fit2 = json.loads(meta1["fit"]), json.loads(meta2["fit"])
     assert fit1["head_bits"] == fit2["head_bits"] and fit1["closed_loop"]["chosen"] == fit2["closed_loop"]["chosen"]
