@@ -73,7 +73,7 @@ from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
-from calibrate.tiers import Tiers, check_plan, predicted_device_bytes
+from calibrate.tiers import SLOT_BASE, Tiers, check_plan, predicted_device_bytes, tree_map
 
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
@@ -119,7 +119,9 @@ class QuantizedKVCache(KVCache):
         self._step_states: dict[int, dict[str, States]] = {}
         # per layer: (kind, head, span) -> the span's state (codec.fit_span_state)
         self._span_states: list[dict[tuple[str, int, int], Tensor]] = [{} for _ in range(recipe.model.num_layers)]
-        self.tiers = Tiers(self, plan) if plan is not None and plan.host_frames else None
+        self.tiers = Tiers(self.num_layers, plan, self.device, recipe.path or "") if plan and plan.host_frames else None
+        self._slots: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # recall slot -> its record
+        self._slot_states: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # slot -> kind -> states
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
@@ -240,7 +242,9 @@ class QuantizedKVCache(KVCache):
         predecessor was evicted."""
         held, index, R = self._frames[layer], self._num_appended[layer], self.policy.recent_frames
         if self.tiers is not None:
-            self.tiers.lift(layer, index, key_rope)  # recall slots out of the way of the window's bookkeeping
+            self.tiers.before_append(layer, index, key_rope)
+            for s in self._slots[layer]:  # recall slots out of the way of the window's bookkeeping
+                held.pop(SLOT_BASE + s, None)
         k_in, extra = self._key_input(layer, k_BHTD, key_rope)
         states = {kind: self._chain_states(layer, kind) for kind in KINDS if (layer, kind) in self._chains}
         if R > 0:
@@ -272,15 +276,49 @@ class QuantizedKVCache(KVCache):
                     record[kind] = [c.anchor(v) for c, v in zip(self._chains[(layer, kind)], kind_states[f])]
         for old in [f for f in held if f not in keep]:
             if self.tiers is not None:  # to the host tier, self-contained
-                self.tiers.evicted(layer, old, held[old], {kind: s.get(old) for kind, s in states.items()})
+                self.tiers.evicted(layer, old, self._host_form(layer, held[old], {k: s.get(old) for k, s in states.items()}))
             del held[old]
             for kind_states in states.values():
                 kind_states.pop(old, None)
         self._step_states[layer] = states
         self._release_spans(layer)
         if self.tiers is not None:
-            self.tiers.recall(layer, index)
+            self._recall(layer, index)
         return index
+
+    # ---- a memory plan's tiers (tiers.py) ----------------------------------------------------------
+    def _host_form(self, layer: int, record: dict, states: dict) -> dict:
+        """A frame leaving the window, self-contained: a predictive delta frame as the anchor of its states."""
+        host = {"bits": "final", **({"coords": record["coords"]} if "coords" in record else {})}
+        for kind in KINDS:
+            chains = self._chains.get((layer, kind))
+            if chains is not None and self.spec(layer, kind).temporal:
+                host[kind] = [stored if "anchor" in stored else c.anchor(v)
+                              for c, stored, v in zip(chains, record[kind], states[kind])]
+            else:
+                assert record["bits"] != "recent", "check_plan keeps the recent window inside the device window"
+                host[kind] = record[kind]
+        return host
+
+    def _recall(self, layer: int, index: int) -> None:
+        """Fill the layer's slots with this step's selection and hold them as frames SLOT_BASE + s."""
+        slots, slot_states = self._slots[layer], self._slot_states[layer]
+
+        def slot_record(s: int, like: dict) -> dict:
+            if s not in slots:
+                slots[s] = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device), like)
+            return slots[s]
+
+        for s in self.tiers.recall(layer, index, slot_record):
+            slot_states.pop(s, None)
+        held, step_states = self._frames[layer], self._step_states.get(layer, {})
+        for s, record in slots.items():
+            held[SLOT_BASE + s] = record
+            for kind, kind_states in step_states.items():  # the states of a predictive anchor
+                known = slot_states.setdefault(s, {})
+                if kind not in known:
+                    known[kind] = [c.states(stored, None) for c, stored in zip(self._chains[(layer, kind)], record[kind])]
+                kind_states[SLOT_BASE + s] = known[kind]
 
     def expect(self, coords_BP: Tensor) -> None:
         if self.tiers is not None:

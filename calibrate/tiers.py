@@ -44,8 +44,9 @@ Models without a camera pose (the Wan adapter's rotary coordinate is the chunk i
 recall by pose: `recall="pose"` needs 3 rotary coordinates per frame and is refused otherwise
 (one line, exit 2). They may still use a plan without recall (window, sinks, budget).
 
-`Tiers` is the runtime's companion: it reads and writes the records of `QuantizedKVCache`
-(runtime.py) through the few hooks that class calls (`lift`, `evicted`, `recall`).
+`Tiers` is a runtime's companion and knows no runtime: each runtime hands it the host form of a
+frame leaving its window (`evicted`) and a slot's device buffers to recall into (`recall`); the
+fast runtime (fastcache.py) and the reference (runtime.py) run the same plan, frame for frame.
 """
 
 from __future__ import annotations
@@ -156,6 +157,28 @@ def check_plan(recipe: Recipe) -> None:
 
 
 # ---- the host tier -------------------------------------------------------------------------------
+# A record is one frame's host form in a layer: a tree (dicts and lists) of tensors whose first axis
+# is the batch. Its structure is the runtime's own; the tiers only move and count it.
+def tree_map(fn, record):
+    if isinstance(record, dict):
+        return {k: tree_map(fn, v) for k, v in record.items()}
+    if isinstance(record, list):
+        return [tree_map(fn, v) for v in record]
+    return fn(record) if isinstance(record, Tensor) else record
+
+
+def tree_leaves(record) -> list[Tensor]:
+    if isinstance(record, dict):
+        return [t for v in record.values() for t in tree_leaves(v)]
+    if isinstance(record, list):
+        return [t for v in record for t in tree_leaves(v)]
+    return [record] if isinstance(record, Tensor) else []
+
+
+def record_nbytes(record) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(record))
+
+
 class HostTier:
     """Evicted frames per layer in host form, oldest first, at most `capacity` per layer, and the
     pose of each (`poses`, kept with layer 0's frames). Tensors live on the CPU, pinned when the
@@ -170,13 +193,13 @@ class HostTier:
 
     def to_host(self, t: Tensor) -> Tensor:
         if not self.pinned:
-            return t.cpu()
+            return t.cpu()  # the runtime hands over tensors it no longer writes
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return out.copy_(t, non_blocking=True)
 
     def put(self, layer: int, index: int, record: dict, pose_B3: Tensor | None) -> int:
         """Store one frame's host form; returns the bytes that moved device -> host."""
-        moved = _map_record(record, self.to_host)
+        moved = tree_map(self.to_host, record)
         self.frames[layer][index] = moved
         if layer == 0 and self.keep_poses:
             self.poses[index] = pose_B3
@@ -196,104 +219,69 @@ class HostTier:
         return frames + sum(p.numel() * p.element_size() for p in self.poses.values())
 
 
-def _map_record(record: dict, fn) -> dict:
-    out = {"bits": record["bits"]}
-    if "coords" in record:
-        out["coords"] = fn(record["coords"])
-    for kind in KINDS:
-        out[kind] = [{name: fn(t) for name, t in head.items()} for head in record[kind]]
-    return out
-
-
-def _tensors(record: dict):
-    if "coords" in record:
-        yield "coords", None, record["coords"]
-    for kind in KINDS:
-        for h, head in enumerate(record[kind]):
-            for name, t in head.items():
-                yield kind, (h, name), t
-
-
-def record_nbytes(record: dict) -> int:
-    return sum(t.numel() * t.element_size() for _, _, t in _tensors(record))
-
-
 # ---- the tiers of one cache ----------------------------------------------------------------------
 class Tiers:
-    """Host tier, recall slots and traffic counters of one `QuantizedKVCache` with a plan."""
+    """Host tier, recall rule, slot assignment and traffic counters of one cache with a plan.
 
-    def __init__(self, cache, plan: MemoryPlan):
-        self.cache = cache
+    Runtime-agnostic: a runtime calls `before_append` before it stores a frame in a layer,
+    `evicted` with the host form of each frame leaving its window, and `recall` after the append,
+    handing it a function that gives the device record of a slot (a tree shaped like the host
+    records, each tensor [B, ...] on the device: the runtime's own buffers or views of them);
+    `recall` copies the selected rows into it and returns the slots it changed.
+    """
+
+    def __init__(self, num_layers: int, plan: MemoryPlan, device: torch.device, where: str = ""):
         self.plan = plan
-        self.host = HostTier(cache.num_layers, plan.host_frames, cache.device.type == "cuda", plan.recall == "pose")
+        self.where = where
+        self.host = HostTier(num_layers, plan.host_frames, device.type == "cuda", plan.recall == "pose")
         self.query: Tensor | None = None  # coordinates told by `expect` for the coming step
+        self.steps = 0  # frames appended (layer 0)
         self._poses: dict[int, Tensor] = {}  # pose of each frame on the device (layer 0's appends)
         self._selected_for = -1  # frame index whose step the current assignment belongs to
         self._assign: list[list[int]] = []  # [slot][row] -> host frame held there
         self._changed: list[tuple[int, int]] = []  # (slot, row) pairs the current step copies
-        self._slots: list[dict[int, dict]] = [{} for _ in range(cache.num_layers)]  # layer -> slot -> record
-        self._slot_states: list[dict[int, dict]] = [{} for _ in range(cache.num_layers)]
         self.bytes_to_device = 0
         self.bytes_to_host = 0
 
-    # -- hooks called by QuantizedKVCache.append ---------------------------------------------------
-    def lift(self, layer: int, index: int, key_rope: Rope) -> None:
-        """Before the append of frame `index`: take the slots out of the records (eviction must
-        not see them) and note the frame's pose."""
-        held = self.cache._frames[layer]
-        for s in range(len(self._slots[layer])):
-            held.pop(SLOT_BASE + s, None)
-        if self.plan.recall != "pose" or layer:
+    @property
+    def filled(self) -> int:
+        """Slots holding a frame (the same in every layer after a step's `recall`)."""
+        return len(self._assign)
+
+    def before_append(self, layer: int, index: int, key_rope: Rope) -> None:
+        """Count the step and note the frame's pose (layer 0)."""
+        if layer:
+            return
+        self.steps += 1
+        if self.plan.recall != "pose":
             return
         coords = key_rope.coords_BP
         if coords is None or coords.shape[-1] != POSE_COORDS:
             got = "none" if coords is None else f"{coords.shape[-1]} (not a camera pose)"
-            raise ValueError(f"recipe {self.cache.recipe.path or ''}: scheme.policy.plan.recall='pose' recalls host "
+            raise ValueError(f"recipe {self.where}: scheme.policy.plan.recall='pose' recalls host "
                              f"frames by camera pose (x, y, yaw): the model's rotary encoding must give "
                              f"{POSE_COORDS} coordinates per frame, it gives {got}; use a plan with recall 'none'")
         self._poses[index] = coords.detach().to(torch.float32).cpu().clone()
 
-    def evicted(self, layer: int, index: int, record: dict, states: dict) -> None:
+    def evicted(self, layer: int, index: int, record: dict) -> None:
         """Frame `index` leaves the device window: its host form goes to the host tier."""
-        host = {"bits": "final", **({"coords": record["coords"]} if "coords" in record else {})}
-        for kind in KINDS:
-            chains = self.cache._chains.get((layer, kind))
-            if chains is not None and self.cache.spec(layer, kind).temporal:
-                host[kind] = [stored if "anchor" in stored else c.anchor(v)
-                              for c, stored, v in zip(chains, record[kind], states[kind])]
-            else:
-                assert record["bits"] != "recent", "check_plan keeps the recent window inside the device window"
-                host[kind] = record[kind]
         pose = self._poses.pop(index, None) if layer == 0 else None
-        self.bytes_to_host += self.host.put(layer, index, host, pose)
+        self.bytes_to_host += self.host.put(layer, index, record, pose)
 
-    def recall(self, layer: int, index: int) -> None:
-        """After the append of frame `index`: fill the layer's slots with this step's selection."""
+    def recall(self, layer: int, index: int, slot_record) -> set[int]:
+        """After the append of frame `index`: copy this step's selection into the layer's slots
+        (`slot_record(s, like)`: the device record of slot s, shaped like host record `like`)."""
         if not self.plan.recall_slots:
-            return
+            return set()
         if self._selected_for != index:
             self._select(index)
         host = self.host.frames[layer]
-        slots, states = self._slots[layer], self._slot_states[layer]
         for s, b in self._changed:
             source = host[self._assign[s][b]]
-            if s not in slots:
-                slots[s] = _map_record(source, lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.cache.device))
-            for (_, _, dst), (_, _, src) in zip(_tensors(slots[s]), _tensors(source)):
+            for dst, src in zip(tree_leaves(slot_record(s, source)), tree_leaves(source), strict=True):
                 dst[b].copy_(src[b], non_blocking=True)
                 self.bytes_to_device += src[b].numel() * src[b].element_size()
-            states.pop(s, None)
-        held = self.cache._frames[layer]
-        step_states = self.cache._step_states.get(layer, {})
-        for s, record in slots.items():
-            held[SLOT_BASE + s] = record
-            for kind, kind_states in step_states.items():  # the states of a predictive anchor
-                if s not in states:
-                    states[s] = {}
-                if kind not in states[s]:
-                    states[s][kind] = [c.states(stored, None) for c, stored in zip(self.cache._chains[(layer, kind)],
-                                                                                    record[kind])]
-                kind_states[SLOT_BASE + s] = states[s][kind]
+        return {s for s, _ in self._changed}
 
     # -- the recall rule --------------------------------------------------------------------------
     def _select(self, index: int) -> None:
@@ -326,15 +314,11 @@ class Tiers:
                     changed.append((s, b))
         self._assign, self._changed = assign, changed
 
-    # -- what the tiers hold and moved ---------------------------------------------------------------
-    def device_slot_nbytes(self) -> int:
-        return sum(record_nbytes(r) for layer in self._slots for r in layer.values())
-
     def traffic(self) -> dict:
         """Bytes moved so far, per direction, and per appended frame."""
-        steps = max(self.cache.num_frames_seen, 1)
+        steps = max(self.steps, 1)
         return {"host_to_device_bytes": self.bytes_to_device, "device_to_host_bytes": self.bytes_to_host,
-                "frames": self.cache.num_frames_seen, "host_to_device_per_frame": self.bytes_to_device / steps,
+                "frames": self.steps, "host_to_device_per_frame": self.bytes_to_device / steps,
                 "device_to_host_per_frame": self.bytes_to_host / steps}
 
 
@@ -347,4 +331,5 @@ def nearest(poses_FB3: Tensor, query_B3: Tensor, yaw_radius: float, count: int) 
 
 
 __all__ = ["HostTier", "SLOT_BASE", "Tiers", "check_plan", "host_count", "host_frame_nbytes", "nearest",
-           "predicted_device_bytes", "predicted_host_bytes", "slot_nbytes", "steady_device_bytes"]
+           "predicted_device_bytes", "predicted_host_bytes", "record_nbytes", "slot_nbytes", "steady_device_bytes",
+           "tree_leaves", "tree_map"]
