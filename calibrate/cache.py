@@ -72,6 +72,9 @@ class Rope:
         return rotate_pairs(x_BHTD, self.angles_BTA.cos().unsqueeze(1), self.angles_BTA.sin().unsqueeze(1))
 
 
+SLOT_BASE = 1 << 40  # frame keys of a memory plan's recall slots (tiers.py): past any frame index
+
+
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotary rotation of channel pairs (2i, 2i+1) of the last axis by angles given as cos, sin."""
     x0, x1 = x[..., 0::2], x[..., 1::2]

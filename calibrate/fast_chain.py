@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import kept_frames, rotate_pairs
+from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.chainscan import segmented_states
 from calibrate.quant import predictive
@@ -70,7 +70,8 @@ class ChainStore:
     """One layer's predictive K and V (see the module docstring)."""
 
     def __init__(self, tensors_k: dict, tensors_v: dict, pre_rotary: bool, temporal: bool, policy, window: int,
-                 sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None):
+                 sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None,
+                 recall_slots: int = 0, keep_evicted: bool = False):
         cat = lambda role: torch.cat([tensors_k[role], tensors_v[role]]).to(device)
         self.H = tensors_k["mean"].shape[0]
         self.G, self.D = 2 * self.H, tensors_k["mean"].shape[1]
@@ -121,6 +122,10 @@ class ChainStore:
         self._scan_core, self._values_core = self._scan, self._values
         self.B: int | None = None
         self._index = IndexTensors(self.device)
+        # a memory plan's host tier (tiers.py): the host form of the frame a step evicts, and the
+        # recall slots (host forms: anchors, or intra delta frames without `temporal`)
+        self.keep_evicted, self.recall_slots, self.filled = keep_evicted, recall_slots, 0
+        self._evicted: tuple[int, dict] | None = None
 
     # ---- buffers ----------------------------------------------------------------------------
     def allocate(self, B: int) -> None:
@@ -134,6 +139,9 @@ class ChainStore:
         self.modes = torch.zeros(B, self.M, G, -(-T // 8), dtype=torch.uint8, device=dev)
         self.anchor = torch.zeros(B, self.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
+        S = self.recall_slots
+        self.slots = {name: t.new_zeros(t.shape[0], S, *t.shape[2:]) for name, t in
+                      ((("anchor", self.anchor[:, None]),) if self.temporal else (("codes", self.codes), ("modes", self.modes)))}
 
     def slot(self, f: int) -> int:
         return f if f < self.sink else self.sink + (f - self.sink) % self.Wm
@@ -189,14 +197,19 @@ class ChainStore:
         resetf = reset.to(dtype).unsqueeze(-1)
         contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
         if anchor is not None:
-            fields = self.anchor_c.unpack_columns(anchor).view(B, self.G, self.Dc, Tb).permute(0, 3, 1, 2)
-            contrib[..., j, :] = fields.to(dtype) - self.offset_c
+            contrib[..., j, :] = self._anchor_states(anchor, dtype)
         if long:  # long chains: one running sum (quant/chainscan.py), O(J)
             return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
         positions = torch.arange(J, device=c.device)
         last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
         W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
         return W.to(dtype) @ contrib
+
+    def _anchor_states(self, anchor: Tensor, dtype=torch.float32) -> Tensor:
+        """Packed anchors [..., Ca, Tb] -> their states, coded components [..., Tb, G, Dc]."""
+        fields = self.anchor_c.unpack_columns(anchor)
+        *lead, _, Tb = fields.shape
+        return fields.view(*lead, self.G, self.Dc, Tb).movedim(-1, -3).to(dtype) - self.offset_c
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and
@@ -296,6 +309,12 @@ class ChainStore:
             chain_post = [f for f in chain_pre if f != exclude]
             recent_post = [f for f in self.recent_frames(n) if f != exclude]
         hist_chain = [f for f in chain_post if f != index] if commit else chain_post
+        pending = None  # the evicted delta frame whose anchor is packed block by block
+        if commit and self.keep_evicted:
+            gone = [f for f in chain_pre if f not in post]
+            self._evicted = (gone[0], self._host_form(gone[0])) if gone else None
+            if gone and self.temporal and gone[0] != self.anchor_frame:
+                pending = gone[0]
         pre_set = set(chain_pre)
         keep_pos = self._index([j for j, f in enumerate(chain_pre) if f in set(hist_chain)])
         with_e = commit and code_e and e != index  # e's fresh states join the history (e left the recent ring)
@@ -310,6 +329,8 @@ class ChainStore:
             tokens = slice(t0, min(t0 + block, self.T))
             states = self.scan(chain_pre, tokens) if chain_pre else None
             v_e = None
+            if pending is not None:
+                self._pack_anchor(self.expand(states[:, :, :, chain_pre.index(pending)]), self._evicted[1]["anchor"][..., tokens])
             if commit:
                 x = torch.cat((token_block(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
@@ -350,10 +371,49 @@ class ChainStore:
                 v_a = v_e.permute(0, 2, 1, 3)
             else:
                 v_a = self.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
-            B, Tb = v_a.shape[:2]
-            fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
-            self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=self.anchor[..., tokens].transpose(-1, -2))
+            self._pack_anchor(v_a, self.anchor[..., tokens])
         return v_e
+
+    def _pack_anchor(self, v_a: Tensor, out: Tensor) -> None:
+        """Pack states [B, Tb, G, D] as an anchor into `out` [B, Ca, Tb]."""
+        B, Tb = v_a.shape[:2]
+        fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
+        self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=out.transpose(-1, -2))
+
+    # ---- a memory plan's host tier and recall slots ------------------------------------------------
+    def _host_form(self, f: int) -> dict:
+        """Frame f (leaving the window) self-contained: its anchor (the held one, or a buffer the step
+        packs from f's states), or without `temporal` its intra codes and modes as stored."""
+        if not self.temporal:
+            return {"codes": self.codes[:, self.slot(f)].clone(), "modes": self.modes[:, self.slot(f)].clone()}
+        return {"anchor": self.anchor.clone() if f == self.anchor_frame else torch.empty_like(self.anchor)}
+
+    def take_evicted(self) -> tuple[int, dict] | None:
+        """(frame, host form) of the frame the last step evicted, once."""
+        out, self._evicted = self._evicted, None
+        return out
+
+    def slot_views(self, s: int) -> dict:
+        """Recall slot s as views of its buffers, shaped like a host form."""
+        return {name: t[:, s] for name, t in self.slots.items()}
+
+    def set_filled(self, filled: int) -> None:
+        self.filled = filled
+
+    def recalled(self, rope=None):
+        """Blocks (k post-rotary, v, None) of the filled recall slots; `rope` as in `step`."""
+        if not self.filled:
+            return
+        S = self.filled
+        cos, sin = rope([SLOT_BASE + s for s in range(S)]) if self.pre_rotary else (None, None)
+        for t0 in range(0, self.T, self.token_block):
+            tokens = slice(t0, min(t0 + self.token_block, self.T))
+            if self.temporal:  # [B, S, Tb, G, Dc] -> [B, Tb, G, S, Dc]
+                states = self._anchor_states(self.slots["anchor"][:, :S, :, tokens]).permute(0, 2, 3, 1, 4)
+            else:  # intra frames: a scan without predecessors
+                modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
+                states = self._scan_core(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
+            yield self._block(states, None, tokens, cos, sin)
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames."""
@@ -378,12 +438,14 @@ class ChainStore:
         a = self.anchor_of(chain)
         delta = self.codes[:, 0].numel() + self.modes[:, 0].numel()
         total = sum(self.anchor.numel() if f == a else delta for f in chain)
-        return total + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
+        slots = sum(t[:, : self.filled].numel() for t in self.slots.values())
+        return total + slots + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
 
     def capacity_nbytes(self) -> int:
         if self.B is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent,
+                                                          *self.slots.values()))
 
 
 def token_block(x, tokens: slice) -> Tensor:

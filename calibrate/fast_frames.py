@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import kept_frames, rotate_pairs
+from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
 from calibrate.codec import span_of, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
@@ -82,7 +82,8 @@ class Pool:
 class FrameStore:
     """One layer's K and V coded per frame (see the module docstring)."""
 
-    def __init__(self, recipe, layer: int, window: int, sink_frames: int, device, frame_block: int | None = None):
+    def __init__(self, recipe, layer: int, window: int, sink_frames: int, device, frame_block: int | None = None,
+                 recall_slots: int = 0, keep_evicted: bool = False):
         self.policy = pol = recipe.scheme.policy
         self.window, self.sink = window, sink_frames
         info = recipe.model
@@ -106,6 +107,13 @@ class FrameStore:
             widths = {kind: widths_of[name](kind) for kind in "kv"}
             self.pools[name] = Pool(name, widths, capacity[name])
             self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+        # a memory plan's host tier (tiers.py): evicted frames leave as their main slot's codes, and
+        # the recall slots are a pool of main-width slots, filled by the tiers, not by `step`
+        self.keep_evicted = keep_evicted
+        self._evicted: tuple[int, dict] | None = None
+        if recall_slots and "main" in self.pools:
+            self.pools["recall"] = Pool("recall", self.pools["main"].widths, recall_slots)
+            self.groups["recall"] = self.groups["main"]
         # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
                                              device=self.device) for name, p in self.pools.items()}
@@ -286,7 +294,12 @@ class FrameStore:
         pol, n = self.policy, index
         post = set(kept_frames(n + 1, self.window, self.sink))
         for pool in self.pools.values():  # evict first: their slots take the new frames
+            if pool.name == "recall":
+                continue
             for f in [f for f in pool.frame_slot if f not in post]:
+                if self.keep_evicted:
+                    assert pool.name == "main", "check_plan: no key frames with a host tier"
+                    self._evicted = (f, self._slot_record(pool, pool.frame_slot[f], copy=True))
                 pool.release(f)
         R = pol.recent_frames
         leaving = index - R
@@ -304,6 +317,32 @@ class FrameStore:
         if decode:
             yield from self.history(n + 1, rope, exclude=index)
 
+    # ---- a memory plan's host tier and recall slots ------------------------------------------------
+    def _slot_record(self, pool: Pool, slot: int, copy: bool = False) -> dict:
+        """A frame's codes in a pool slot: per kind, per group of heads, tensors [B, Hg, ...]."""
+        take = (lambda t: t[:, :, slot].clone()) if copy else (lambda t: t[:, :, slot])
+        return {kind: [{key: take(t) for key, t in bufs.items()} for bufs in pool.buffers[kind]] for kind in "kv"}
+
+    def take_evicted(self) -> tuple[int, dict] | None:
+        """(frame, host form) of the frame the last step evicted, once."""
+        out, self._evicted = self._evicted, None
+        return out
+
+    def slot_views(self, s: int) -> dict:
+        """Recall slot s as views of its buffers, shaped like a host form."""
+        return self._slot_record(self.pools["recall"], s)
+
+    def set_filled(self, filled: int) -> None:
+        if "recall" in self.pools:
+            self.pools["recall"].frame_slot = {SLOT_BASE + s: s for s in range(filled)}
+
+    def recalled(self, rope=None):
+        """Blocks (k post-rotary, v, corrections) of the filled recall slots."""
+        frames = sorted(self.pools["recall"].frame_slot) if "recall" in self.pools else []
+        if frames:
+            for t0 in range(0, self.T, self.token_block):
+                yield self._block("recall", frames, rope, slice(t0, t0 + self.token_block))
+
     def _recent_fp16(self) -> bool:
         return all(len(gs) == 1 and gs[0].bits >= 16 for gs in self.groups["recent"].values())
 
@@ -312,6 +351,8 @@ class FrameStore:
         if self.B is None:
             return
         for name, pool in self.pools.items():
+            if name == "recall":  # read after the step's recall (`recalled`)
+                continue
             frames = sorted(f for f in pool.frame_slot if f != exclude)
             step = self.frame_block or len(frames) or 1
             for i in range(0, len(frames), step):

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from calibrate.cache import KVCache, Rope, attention_logits, attention_output, kept_frames
+from calibrate.cache import SLOT_BASE, KVCache, Rope, attention_logits, attention_output, kept_frames
 from calibrate.fast_chain import ChainStore, token_block
 from calibrate.memory import predicted_cache_bytes
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
 from calibrate.runtime import QuantizedKVCache, check_fitted_window
+from calibrate.tiers import Tiers, check_plan, predicted_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,6 @@ def fast_path_problem(recipe: Recipe) -> str | None:
     from calibrate import fast_frames
 
     D = recipe.model.head_dim
-    if recipe.scheme.policy.plan is not None:
-        return "a memory plan (device and host tiers, recall: calibrate/tiers.py)"
     for i, pair in enumerate(recipe.scheme.layers):
         kinds = {pair.k.kind == "predictive", pair.v.kind == "predictive"}
         if kinds == {True, False}:
@@ -159,6 +158,10 @@ class FastKVCache(KVCache):
         problem = fast_path_problem(recipe)
         if problem is not None:
             raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
+        plan = recipe.scheme.policy.plan
+        if plan is not None:  # the recipe's memory plan decides what the device holds
+            check_plan(recipe)
+            window, sink_frames = plan.window, plan.sink_frames
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)
         self.recipe = recipe
@@ -170,6 +173,8 @@ class FastKVCache(KVCache):
         self.key_block = None
         self.compute_dtype = compute_dtype  # attention matmuls (bfloat16 for a bf16 model on CUDA); None: the input's
         T = recipe.model.tokens_per_frame
+        self.tiers = Tiers(self.num_layers, plan, self.device, recipe.path or "") if plan and plan.host_frames else None
+        tiered = {"recall_slots": plan.recall_slots if self.tiers else 0, "keep_evicted": self.tiers is not None}
         self.stores = []
         self.coords_dims = []
         for i, pair in enumerate(recipe.scheme.layers):
@@ -177,16 +182,16 @@ class FastKVCache(KVCache):
             if pair.k.kind == "predictive":
                 self.stores.append(ChainStore(recipe.layer_tensors(i, "k"), recipe.layer_tensors(i, "v"),
                                               pair.k.rotary_coords > 0, pair.k.temporal, self.policy, window,
-                                              sink_frames, T, self.device, token_block))
+                                              sink_frames, T, self.device, token_block, **tiered))
             else:
                 from calibrate.fast_frames import FrameStore
 
-                self.stores.append(FrameStore(recipe, i, window, sink_frames, self.device, token_block))
+                self.stores.append(FrameStore(recipe, i, window, sink_frames, self.device, token_block, **tiered))
         if compile:
             for store in self.stores:
                 if isinstance(store, ChainStore):
                     store.compile(compile)
-        self._coords: list[Tensor | None] = [None] * self.num_layers  # [B, sink + window, P] float32
+        self._coords: list[Tensor | None] = [None] * self.num_layers  # [B, sink + window + slots, P] float32
         self._rotary = _RotaryMemo()
 
     @classmethod
@@ -198,6 +203,8 @@ class FastKVCache(KVCache):
         return kept_frames(self._num_appended[layer], self.window, self.sink_frames)
 
     def _ring(self, f: int) -> int:
+        if f >= SLOT_BASE:  # a recall slot's row, after the window's
+            return self.sink_frames + self.window + f - SLOT_BASE
         return f if f < self.sink_frames else self.sink_frames + (f - self.sink_frames) % self.window
 
     def _key_input(self, layer: int, k_BHTD: Tensor, key_rope: Rope, index: int) -> Tensor:
@@ -214,14 +221,19 @@ class FastKVCache(KVCache):
         self._rotary.at = key_rope.at
         if self._coords[layer] is None:
             B = k_BHTD.shape[0]
-            self._coords[layer] = torch.zeros(B, self.sink_frames + self.window, P, device=k_BHTD.device)
+            slots = self.tiers.plan.recall_slots if self.tiers else 0
+            self._coords[layer] = torch.zeros(B, self.sink_frames + self.window + slots, P, device=k_BHTD.device)
         self._coords[layer][:, self._ring(index)] = key_rope.coords_BP.detach().to(torch.float32)
         return k_BHTD
 
     def _rope_fn(self, layer: int):
         def rope(frames: list[int]) -> tuple[Tensor, Tensor]:
-            slots = torch.tensor([self._ring(f) for f in frames], device=self._coords[layer].device)
-            return self._rotary.get(frames, self._coords[layer].index_select(1, slots))
+            rows = torch.tensor([self._ring(f) for f in frames], device=self._coords[layer].device)
+            coords = self._coords[layer].index_select(1, rows)
+            if frames and frames[0] >= SLOT_BASE:  # recall slots change content: no memo
+                a = self._rotary.angles(coords)
+                return a.cos(), a.sin()
+            return self._rotary.get(frames, coords)
         return rope
 
     def _plan(self, B: int) -> None:
@@ -251,9 +263,32 @@ class FastKVCache(KVCache):
         if not self._planned:
             self._plan(k_BHTD.shape[0])
         index = self._num_appended[layer]
+        coords_out = None
+        if self.tiers is not None:
+            self.tiers.before_append(layer, index, key_rope)
+            if self.coords_dims[layer] and self._coords[layer] is not None and index >= self.sink_frames + self.window:
+                coords_out = self._coords[layer][:, self._ring(index)].clone()  # the evicted frame's: its row is reused
         k_in = self._key_input(layer, k_BHTD, key_rope, index)
         blocks = self.stores[layer].step(index, k_in, v_BHTD, self._rope_fn(layer), decode=decode)
+        if self.tiers is not None:
+            blocks = self._with_recall(layer, index, blocks, coords_out, decode)
         return index, k_in, blocks
+
+    def _with_recall(self, layer: int, index: int, blocks, coords_out: Tensor | None, decode: bool):
+        """The step's history blocks, then (the step done) the evicted frame to the host tier, this
+        step's recall into the slots, and the slots' blocks."""
+        yield from blocks
+        store = self.stores[layer]
+        gone = store.take_evicted()
+        if gone is not None:
+            frame, record = gone
+            self.tiers.evicted(layer, frame, record if coords_out is None else {**record, "coords": coords_out})
+        P = self.coords_dims[layer]
+        row = lambda s: self._coords[layer][:, self._ring(SLOT_BASE + s)]
+        self.tiers.recall(layer, index, lambda s, like: {**store.slot_views(s), **({"coords": row(s)} if P else {})})
+        store.set_filled(self.tiers.filled)
+        if decode:
+            yield from store.recalled(self._rope_fn(layer))
 
     def attend(self, layer: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, key_rope: Rope) -> Tensor:
         index, k_in, blocks = self._store_step(layer, k_BHTD, v_BHTD, key_rope, decode=True)
@@ -323,12 +358,13 @@ class FastKVCache(KVCache):
         """Bytes of what the kept frames are held as (codes, parameters, anchors, recent frames,
         rotary coordinates): what `memory.predicted_cache_bytes` predicts."""
         total = 0
+        slots = self.tiers.filled if self.tiers else 0
         for layer, store in enumerate(self.stores):
             n = self._num_appended[layer]
             total += store.nbytes(n)
             if self._coords[layer] is not None:
                 c = self._coords[layer]
-                total += len(kept_frames(n, self.window, self.sink_frames)) * c.shape[0] * c.shape[2] * c.element_size()
+                total += (len(kept_frames(n, self.window, self.sink_frames)) + slots) * c.shape[0] * c.shape[2] * c.element_size()
         return total
 
     def capacity_nbytes(self) -> int:
@@ -341,5 +377,11 @@ class FastKVCache(KVCache):
         return self._rotary.nbytes()
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
+        if self.policy.plan is not None:
+            return predicted_device_bytes(self.recipe.model, self.recipe.scheme, self.policy.plan, num_appended, batch)
         return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
                                      self.sink_frames, batch)
+
+    def expect(self, coords_BP: Tensor) -> None:
+        if self.tiers is not None:
+            self.tiers.query = coords_BP

@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import Rope, kept_frames
+from calibrate.cache import SLOT_BASE, Rope, kept_frames
 from calibrate.codec import frame_nbytes, span_of
 from calibrate.memory import (KINDS, STEADY_STATE_MARGIN, fp16_cache_bytes, fp16_frame_bytes, head_frame_nbytes,
                               predicted_cache_bytes, steady_phases)
@@ -62,7 +62,6 @@ from calibrate.plan import POSE_COORDS, MemoryPlan, pose_distance
 from calibrate.recipe import Recipe, Scheme
 from calibrate.types import ModelInfo
 
-SLOT_BASE = 1 << 40  # frame keys of the recall slots in the runtime's records (past any frame index)
 POSE_BYTES = 4 * POSE_COORDS  # one float32 pose (x, y, yaw) per trajectory and host frame
 
 
@@ -146,8 +145,8 @@ def check_plan(recipe: Recipe) -> None:
     if policy.keyframe_interval:
         raise ValueError(f"{where}: scheme.policy.plan.host_frames: a host tier holds frames at the spec's own width; "
                          f"key frames (policy.keyframe_interval={policy.keyframe_interval}) are not supported with it")
-    if policy.recent_frames > plan.window:
-        raise ValueError(f"{where}: scheme.policy.recent_frames={policy.recent_frames} exceeds plan.window="
+    if policy.recent_frames >= plan.window:
+        raise ValueError(f"{where}: scheme.policy.recent_frames={policy.recent_frames} must be below plan.window="
                          f"{plan.window}: evicted frames would leave in float16, and the host tier holds codes")
     for i, pair in enumerate(recipe.scheme.layers):
         for kind in KINDS:

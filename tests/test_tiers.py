@@ -16,15 +16,16 @@ from calibrate.cache import Rope, kept_frames
 from calibrate.plan import MemoryPlan, pose_distance
 from calibrate.recipe import (LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe,
                               save_recipe, uniform_scheme)
+from calibrate.fastcache import FastKVCache
 from calibrate.runtime import QuantizedKVCache
-from calibrate.tiers import (SLOT_BASE, host_count, nearest, predicted_host_bytes, record_nbytes, slot_nbytes,
-                             steady_device_bytes)
+from calibrate.tiers import SLOT_BASE, host_count, nearest, predicted_host_bytes, slot_nbytes, steady_device_bytes
 from calibrate.types import ModelInfo
 from toys import predictive_roles
 
 L, H, T, D = 2, 2, 4, 16
 INFO = ModelInfo("toy", L, H, D, T, "f" * 16)
 REPO = Path(__file__).resolve().parents[1]
+RUNTIMES = {"reference": QuantizedKVCache, "fast": FastKVCache}
 
 
 def pose_rope(poses_B3):
@@ -205,18 +206,19 @@ def test_evicted_frames_keep_their_codes_bit_exact(make):
 
 
 # ---- bytes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("make,reuse", [(lambda: predictive_recipe(), "resident"),
                                         (lambda: predictive_recipe(pre_rotary=False), "none"),
                                         (lambda: per_frame_recipe(2), "resident"),
                                         (lambda: per_frame_recipe(16), "none")])
-def test_measured_device_and_host_bytes_equal_predicted(make, reuse):
+def test_measured_device_and_host_bytes_equal_predicted(make, reuse, runtime):
     N, B = 40, 2
     g = torch.Generator().manual_seed(3)
     poses = torch.cumsum(0.3 * torch.randn(N, B, 3, generator=g), dim=0)
     recipe = make()
     plan_recipe = with_plan(recipe, window=4, sink_frames=1, recall_slots=3, host_frames=9, reuse=reuse)
     plan = plan_recipe.scheme.policy.plan
-    cache = QuantizedKVCache.from_recipe(plan_recipe)
+    cache = RUNTIMES[runtime].from_recipe(plan_recipe)
     for f, (k, v, rope) in enumerate(frames(poses)):
         cache.expect(poses[min(f + 1, N - 1)])
         for layer in range(L):
@@ -233,14 +235,15 @@ def test_measured_device_and_host_bytes_equal_predicted(make, reuse):
         assert traffic["host_to_device_bytes"] == copied * frame
 
 
-def test_resident_slots_move_only_new_frames():
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_resident_slots_move_only_new_frames(runtime):
     """A camera standing still keeps wanting the same frames: after the slots fill, nothing moves."""
     N = 20
     poses = torch.full((N, 1, 3), 10.0)
     poses[:8, 0, 0] = torch.arange(8, dtype=torch.float32)
     poses[:, 0, 1:] = 0.0
     recipe = with_plan(predictive_recipe(), window=3, sink_frames=0, recall_slots=2, host_frames=64)
-    cache = QuantizedKVCache.from_recipe(recipe)
+    cache = RUNTIMES[runtime].from_recipe(recipe)
     moved = []
     for f, (k, v, rope) in enumerate(frames(poses)):
         cache.expect(torch.tensor([[1.0, 0.0, 0.0]]))
@@ -249,17 +252,18 @@ def test_resident_slots_move_only_new_frames():
         moved.append(cache.tiers.bytes_to_device)
     # nearest x = 1: frame 1, then frames 0 and 2 (a tie: the newer, 2); frame 2 reaches the host
     # at the 6th append, and from then on the slots keep frames 1 and 2: nothing moves
-    slot = record_nbytes(cache._frames[0][SLOT_BASE]) * L
+    slot = slot_nbytes(recipe.model, recipe.scheme)
     assert moved[3] == slot and moved[4] == 2 * slot and moved[5] == moved[-1] == 3 * slot
 
 
-def test_host_tier_changes_nothing_without_recall():
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_host_tier_changes_nothing_without_recall(runtime):
     """A plan with a host tier and no recall slots attends exactly as the plain cache of its window."""
     N = 16
     poses = torch.cumsum(0.2 * torch.ones(N, 2, 3), dim=0)
     recipe = predictive_recipe()
-    plain = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=0)
-    tiered = QuantizedKVCache.from_recipe(with_plan(recipe, window=4, sink_frames=0, host_frames=8))
+    plain = RUNTIMES[runtime].from_recipe(recipe, window=4, sink_frames=0)
+    tiered = RUNTIMES[runtime].from_recipe(with_plan(recipe, window=4, sink_frames=0, host_frames=8))
     for k, v, rope in frames(poses):
         for layer in range(L):
             q = torch.randn_like(k)
@@ -280,6 +284,51 @@ def test_attend_reads_window_and_slots():
             ref = torch.softmax(q @ k_all.transpose(-1, -2) / D**0.5, -1) @ v_all
             assert torch.allclose(out, ref, atol=1e-5)
             assert k_all.shape[2] == T * (len(cache.history(layer)) + 1)
+
+
+# ---- the fast runtime runs the plan as the reference does -------------------------------------------
+def host_states(cache, layer: int, frame: int) -> dict:
+    """{kind: int64 states [B, H, T, D]} of a predictive host frame held as an anchor."""
+    record = cache.tiers.host.frames[layer][frame]
+    if isinstance(cache, QuantizedKVCache):
+        return {kind: torch.stack([c.states(head, None) for c, head in zip(cache._chains[(layer, kind)], record[kind])], 1)
+                for kind in "kv"}
+    store = cache.stores[layer]
+    s = store.expand(store._anchor_states(record["anchor"]))  # [B, T, G, D]
+    return {kind: s[:, :, i * H:(i + 1) * H].permute(0, 2, 1, 3) for i, kind in enumerate("kv")}
+
+
+@pytest.mark.parametrize("make", [lambda: predictive_recipe(), lambda: predictive_recipe(pre_rotary=False),
+                                  lambda: predictive_recipe(temporal=False), lambda: per_frame_recipe(2),
+                                  lambda: per_frame_recipe(16)])
+@pytest.mark.parametrize("reuse", ["resident", "none"])
+def test_the_fast_runtime_runs_a_plan_as_the_reference(make, reuse):
+    """Teacher-forced (the same frames and queries into both): the same recall choices, host frames
+    and traffic, bytes equal to the prediction, integer states of every host anchor bitwise, and
+    outputs equal but for float rounding (the runtimes sum in different orders)."""
+    N, B = 30, 2
+    g = torch.Generator().manual_seed(5)
+    poses = torch.cumsum(0.3 * torch.randn(N, B, 3, generator=g), dim=0)
+    recipe = with_plan(make(), window=4, sink_frames=1, recall_slots=3, host_frames=9, reuse=reuse)
+    ref, fast = QuantizedKVCache.from_recipe(recipe), FastKVCache.from_recipe(recipe)
+    anchored = recipe.scheme.layers[0].k.kind == "predictive" and recipe.scheme.layers[0].k.temporal
+    for f, (k, v, rope) in enumerate(frames(poses)):
+        for cache in (ref, fast):
+            cache.expect(poses[min(f + 1, N - 1)])
+        for layer in range(L):
+            q = torch.randn(k.shape, generator=g)
+            torch.testing.assert_close(fast.attend(layer, q, k, v, rope), ref.attend(layer, q, k, v, rope),
+                                       atol=1e-5, rtol=1e-5)
+        assert fast.tiers._assign == ref.tiers._assign, f
+        assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(f + 1, B), f
+        assert fast.tiers.host.nbytes() == ref.tiers.host.nbytes(), f
+    assert fast.tiers.traffic() == ref.tiers.traffic() and fast.tiers.traffic()["host_to_device_bytes"] > 0
+    assert fast.tiers.host.indices() == ref.tiers.host.indices() == list(range(N - 4 - 9, N - 4))
+    if anchored:
+        for layer in range(L):
+            for frame in fast.tiers.host.indices():
+                mine, theirs = host_states(fast, layer, frame), host_states(ref, layer, frame)
+                assert all(torch.equal(mine[kind], theirs[kind]) for kind in "kv"), (layer, frame)
 
 
 # ---- the plan in the recipe -----------------------------------------------------------------------
@@ -340,7 +389,7 @@ def test_a_plan_over_its_budget_is_refused_at_load(tmp_path):
 
 @pytest.mark.parametrize("policy,spec,message", [
     ({"keyframe_interval": 4}, None, "key frames"),
-    ({"recent_frames": 5}, None, "recent_frames=5 exceeds plan.window=4"),
+    ({"recent_frames": 4}, None, "recent_frames=4 must be below plan.window=4"),
     ({}, TensorSpec(bits=2, kind="prq", prq_stages=1, prq_centroids=2), "kind 'prq' with span state"),
 ])
 def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy, spec, message, tmp_path):
@@ -362,8 +411,9 @@ def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy
         QuantizedKVCache.from_recipe(loaded)
 
 
-def test_recall_by_pose_needs_a_pose():
-    cache = QuantizedKVCache.from_recipe(with_plan(predictive_recipe(pre_rotary=False), window=2, recall_slots=1,
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_recall_by_pose_needs_a_pose(runtime):
+    cache = RUNTIMES[runtime].from_recipe(with_plan(predictive_recipe(pre_rotary=False), window=2, recall_slots=1,
                                                    host_frames=4))
     k = torch.randn(1, H, T, D)
     chunk_index = Rope(torch.zeros(1, T, D // 2), coords_BP=torch.zeros(1, 1), at=None)
