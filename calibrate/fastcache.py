@@ -12,7 +12,10 @@
   time (`quant/blockattn.OnlineSoftmax` merges the blocks; one block, the plain softmax, when it
   is small), so the extra memory of a step is one block's keys and values and its logits;
 - keys stored before the rotary encoding are rotated by their frame's rotary, recomputed from the
-  stored coordinates (`Rope.at`) once per step for all layers (`_RotaryMemo`).
+  stored coordinates (`Rope.at`) once per step for all layers (`_RotaryMemo`);
+- a memory plan (tiers.py) runs here too: each store hands the frame a step evicts to the host tier
+  in its host form (`take_evicted`), the tiers copy this step's recalled frames into the stores'
+  slot buffers (`slot_views`), and attention reads the slots after the window (`recalled`).
 
 What it computes is what `KVCache.attend` computes (tests hold the integer codes and states equal
 to the reference runtime's and the outputs within float rounding). Nothing observes it: shadowing
@@ -33,10 +36,10 @@ from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, KVCache, Rope, attention_logits, attention_output, kept_frames
 from calibrate.fast_chain import ChainStore, token_block
-from calibrate.memory import predicted_cache_bytes
+from calibrate.memory import check_fitted_window, predicted_cache_bytes
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
-from calibrate.runtime import QuantizedKVCache, check_fitted_window
+from calibrate.runtime import QuantizedKVCache
 from calibrate.tiers import Tiers, check_plan, predicted_device_bytes
 
 log = logging.getLogger(__name__)

@@ -185,3 +185,15 @@ def memory_section(recipe: Recipe, window: int, sink_frames: int) -> dict:
             "bytes_per_frame_steady": per_frame, "window": window, "sink_frames": sink_frames,
             "static_bytes": sum(t.numel() * t.element_size() for t in recipe.tensors.values())}
 
+
+def check_fitted_window(recipe: Recipe, window: int, sink_frames: int) -> None:
+    """A recipe with codes across frames runs only under the window and sinks it was fitted for
+    (its `memory` section says which): its steps and widths were chosen for that chain length."""
+    if not any(recipe.spec(i, kind).kind == "predictive" for i in range(recipe.model.num_layers) for kind in KINDS):
+        return
+    memory = recipe.section("memory")
+    fitted = (memory.get("window"), memory.get("sink_frames"))
+    if None not in fitted and fitted != (window, sink_frames):
+        raise ValueError(f"{recipe.path or 'recipe'}: memory.window: its predictive codes were fitted for a window of "
+                         f"{fitted[0]} frames + {fitted[1]} sink(s), the cache has {window} + {sink_frames}; refit with "
+                         f"model.cache.window={window} model.cache.sink_frames={sink_frames}")

@@ -69,26 +69,13 @@ from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.chain import ChainCodec
 from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of, span_pending,
                              stored_nbytes, with_span_state)
-from calibrate.memory import KINDS, final_bits, predicted_cache_bytes
+from calibrate.memory import KINDS, check_fitted_window, final_bits, predicted_cache_bytes
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
 from calibrate.tiers import SLOT_BASE, Tiers, check_plan, predicted_device_bytes, tree_map
 
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
-
-
-def check_fitted_window(recipe: Recipe, window: int, sink_frames: int) -> None:
-    """A recipe with codes across frames runs only under the window and sinks it was fitted for
-    (its `memory` section says which): its steps and widths were chosen for that chain length."""
-    if not any(recipe.spec(i, kind).kind == "predictive" for i in range(recipe.model.num_layers) for kind in KINDS):
-        return
-    memory = recipe.section("memory")
-    fitted = (memory.get("window"), memory.get("sink_frames"))
-    if None not in fitted and fitted != (window, sink_frames):
-        raise ValueError(f"{recipe.path or 'recipe'}: memory.window: its predictive codes were fitted for a window of "
-                         f"{fitted[0]} frames + {fitted[1]} sink(s), the cache has {window} + {sink_frames}; refit with "
-                         f"model.cache.window={window} model.cache.sink_frames={sink_frames}")
 
 
 class QuantizedKVCache(KVCache):

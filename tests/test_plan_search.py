@@ -94,7 +94,7 @@ def test_cli_calibrate_with_a_device_budget_writes_the_plan(tiny_weights, tmp_pa
 
 
 def test_predictive_codes_are_searched_only_at_their_fitted_window():
-    """A predictive recipe runs only under the window it was fitted for (runtime.check_fitted_window):
+    """A predictive recipe runs only under the window it was fitted for (memory.check_fitted_window):
     the search refuses its other windows, with the reason, and varies only its recall slots."""
     from test_tiers import predictive_recipe
 

@@ -10,9 +10,9 @@ a 2.5-bit cache cost, which can hold a longer window or leave room for recall sl
    `model.cache.sink_frames`, a host tier of `memory.host_frames` when there are slots). One
    whose device tier at steady state (`tiers.steady_device_bytes`, every byte counted) exceeds
    the budget is refused here and recorded with the bytes it needs; so is a predictive recipe
-   at a window other than the one its codes were fitted for (`runtime.check_fitted_window`:
+   at a window other than the one its codes were fitted for (`memory.check_fitted_window`:
    for such a recipe only the recall slots vary; another window needs its own fit).
-2. **Score**: each admitted plan rolls out (the real runtime, free rollouts) on calibration
+2. **Score**: each admitted plan rolls out (the fast runtime, free rollouts) on calibration
    trajectories of the `long_revisit` family: the camera wanders away for 64-512 frames and
    comes back. Two numbers per plan, each against the reference plan (float16, window
    `model.cache.window` + sinks, no recall: the cache the budget is usually quoted from):
@@ -38,11 +38,11 @@ from torch import Tensor
 from calibrate.adapters.base import WorldAdapter
 from calibrate.config import parse_bytes
 from calibrate.evaluate.metrics import psnr
-from calibrate.memory import fp16_cache_bytes, memory_section, steady_state_frames
+from calibrate.fastcache import build_cache
+from calibrate.memory import check_fitted_window, fp16_cache_bytes, memory_section, steady_state_frames
 from calibrate.plan import MemoryPlan
 from calibrate.recipe import Recipe
 from calibrate.replay import batches, rollout_batch
-from calibrate.runtime import QuantizedKVCache, check_fitted_window
 from calibrate.tiers import host_frame_nbytes, slot_nbytes, steady_device_bytes
 from calibrate.types import ModelInfo, Trajectory
 from calibrate.world.trajectories import LONG_AWAY_FRAMES, revisit_pairs
@@ -128,7 +128,7 @@ def rollout_scores(world: WorldAdapter, recipe: Recipe, trajs: list[Trajectory],
     first = 0
     for group in batches(trajs, batch_size):
         g = torch.cat(truth[first:first + len(group)]).to(device)
-        cache = QuantizedKVCache.from_recipe(recipe, device=device)
+        cache = build_cache(recipe, recipe.scheme.policy.plan.window, recipe.scheme.policy.plan.sink_frames, device)
         frames, _ = rollout_batch(world, group, cache, device, truth=g)
         for b, traj in enumerate(group):
             for key, values in frame_scores(frames[b], g[b], traj).items():
