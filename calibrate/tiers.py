@@ -3,7 +3,7 @@
 A recipe with a memory plan (`calibrate/plan.py`, `scheme.policy.plan`) runs its cache in tiers:
 
 - **device tier**: the sink frames and the newest `window` frames, held and coded exactly as a
-  plain `QuantizedKVCache` holds them, plus `recall_slots` slots of frames recalled from the
+  cache without a plan holds them, plus `recall_slots` slots of frames recalled from the
   host tier. Attention reads all of them at every step.
 - **host tier**: a frame evicted from the window moves to the host tier at its stored precision
   (its packed codes; never a float copy), up to `host_frames` frames, the oldest dropped first.
