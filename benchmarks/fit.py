@@ -1,6 +1,6 @@
 """Benchmark: the fitted recipe (`ours`), one ablation per mechanism, and every baseline.
 
-    python -m benchmarks.fit [--out artifacts/benchmarks] [--frames 256] [--trajectories 7]
+    python -m benchmarks.fit [--out artifacts/benchmarks] [--frames 256] [--trajectories 7] [--model tinyworld]
 
 Fits `ours` with the default config (predictive codes across frames) and with one mechanism off
 at a time at the same budget:
@@ -24,6 +24,8 @@ per tensor: ours with one layer's K or V in float16), each recipe against its no
 (evaluate/twin.py: how much of its error is coherent), and the time per frame of each recipe's
 rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir,
 and finished evaluations to its `partial/` (a rerun picks up those of unchanged recipes).
+`--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
+(`--ablations` and `--baselines` cut it to what the CPU time allows).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 
 from calibrate import calibration, pipeline
 from calibrate.adapters import as_world
-from calibrate.config import Config, TrajectoriesConfig
+from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.fastcache import build_cache
@@ -137,30 +140,32 @@ def errors_that_add_up(ours: dict) -> list[dict]:
     return out
 
 
-def frame_times(world, recipes: dict[str, Recipe], device, frames: int = 64) -> dict[str, float]:
+def frame_times(world, recipes: dict[str, Recipe], device, window: int, sink_frames: int, frames: int = 64) -> dict[str, float]:
     """Milliseconds per generated frame of each recipe's runtime (`eval.runtime=auto`: the fast one
     where the recipe has a fast path), one orbit trajectory, batch 1."""
     trajs = make_trajectories(["orbit"], "evaluation", 1, frames)
     out = {}
     for name, recipe in recipes.items():
-        cache = build_cache(recipe, 16, 1, device)
+        cache = build_cache(recipe, window, sink_frames, device)
         t0 = time.perf_counter()
         rollout_batch(world, trajs, cache, device, keep_frames=False)
         out[name] = 1000 * (time.perf_counter() - t0) / (frames - 1)
     return out
 
 
-def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames) -> str:
+def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg) -> str:
     def fmt(x, f=".2f"):
         return "-" if x is None else format(x, f)
 
     lines = [
-        "# Fitting benchmark: `ours`, one ablation per mechanism, every baseline",
+        f"# Fitting benchmark{'' if cfg.model.name == 'tinyworld' else ' on ' + cfg.model.name}: `ours`, one ablation "
+        "per mechanism, every baseline",
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {elapsed / 60:.1f} min on this 2-core CPU "
         f"(torch threads: {torch.get_num_threads()}).  ",
-        f"Held-out evaluation seeds, {ntraj} trajectories (one per family), {frames} frames, window 16 + 1 sink frame. "
+        f"Held-out evaluation seeds, {ntraj} trajectories (one per family), {frames} frames, window "
+        f"{cfg.model.cache.window} + {cfg.model.cache.sink_frames} sink frame. "
         "PSNR vs the full-precision rollout, mean over trajectories (p95 toward the bad side in the last column).",
         "",
         "| scheme | bits/elem (measured) | 0-16 | 16-64 | 64-128 | 128-256 | p95 128-256 | flicker | revisit (fp) | ms/frame |",
@@ -216,9 +221,15 @@ def main(argv=None) -> int:
     p.add_argument("--ablations", default=",".join(ABLATIONS))
     p.add_argument("--baselines", default=BASELINES)
     p.add_argument("--no-sources", action="store_true", help="skip the per-tensor float16 rows")
+    p.add_argument("--model", default="tinyworld", help="a conf/model preset (tinyworld, wanworld)")
     args = p.parse_args(argv)
     t0 = time.time()
-    cfg = Config()
+    unknown = [n for n in args.ablations.split(",") if n not in ABLATIONS]
+    if unknown:
+        print(f"error: --ablations: unknown {', '.join(unknown)}; known: {', '.join(ABLATIONS)}", file=sys.stderr)
+        return 2
+    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
     device = pipeline.resolve_device(cfg.device)
     try:
         model = pipeline.load_world(cfg, device)
@@ -255,12 +266,13 @@ def main(argv=None) -> int:
     trap = {r["scheme"]: r["trap"] for r in report_mod.blind_spot_rows(rep)}
     tgts.insert(1, {"target": "not flagged by the short-clip trap test", "met": not trap.get("ours"),
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
-    times = frame_times(as_world(model), recipes, device)
+    times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
     command = "python -m benchmarks.fit " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames)
+    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg)
     out = Path(args.out)
-    write_text_atomic(out / "fit.md", md)
-    write_text_atomic(out / "fit.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,
+    stem = "fit" if args.model == "tinyworld" else f"fit_{args.model}"
+    write_text_atomic(out / f"{stem}.md", md)
+    write_text_atomic(out / f"{stem}.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,
                                                     "fit": records}, indent=1, sort_keys=True, default=str))
     print(md)
     return 0
