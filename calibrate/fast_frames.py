@@ -14,6 +14,11 @@ every head at once), they live in a slot of `span_states` while a kept frame of 
 and decoding picks each frame's span state. A span shared by frames of several precision classes
 is left to the reference runtime (`problem`).
 
+A deferred span (`prq_deferred`, Quant VideoGen's own schedule) holds its frames in a `pending`
+pool of float16 slots until its last frame is appended; then each group of heads fits the span's
+state on the tokens of its frames held before the step's eviction (frame order) and codes those kept
+into the main pool.
+
 Attention reads a pool as blocks of its live slots, every group decoded at once
 (`GroupCodec.decode`), heads put back in order; the key-noise logit correction applies to the
 heads of a pool whose class width is the head's own width below 16 (recipes/FORMAT.md); the
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
-from calibrate.codec import span_of, span_state_nbytes
+from calibrate.codec import span_of, span_pending, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
 from calibrate.memory import frame_class
@@ -39,6 +44,13 @@ from calibrate.recipe import TensorSpec, TokenPolicy
 CLASSES = ("recent", "sink", "key", "main")
 
 
+def pair_problem(k: TensorSpec, v: TensorSpec) -> str | None:
+    """Why a layer's per-frame K and V have no fast path together, or None."""
+    if (k.prq_deferred, k.prq_span_frames) != (v.prq_deferred, v.prq_span_frames) and (k.prq_deferred or v.prq_deferred):
+        return "K and V with different deferred spans (prq_deferred, prq_span_frames)"
+    return None
+
+
 def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
     if KINDS[spec.kind].quantize is None:
@@ -47,8 +59,8 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
         return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
-    if spec.prq_deferred:
-        return "kind 'prq' with deferred spans (prq_deferred)"
+    if spec.prq_deferred and (policy.sink_frames or policy.recent_frames or policy.keyframe_interval):
+        return "kind 'prq' with deferred spans (prq_deferred) and sink, recent or key frames"
     if span_of(spec, 0) is not None and any(
             count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
                                                     (policy.recent_frames, policy.recent_bits),
@@ -107,6 +119,11 @@ class FrameStore:
             widths = {kind: widths_of[name](kind) for kind in "kv"}
             self.pools[name] = Pool(name, widths, capacity[name])
             self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+        self.deferred = self.specs["k"].prq_deferred  # the same for V (pair_problem)
+        if self.deferred:  # frames of a span not yet complete, in float16
+            widths = {kind: [16] * self.H for kind in "kv"}
+            self.pools["pending"] = Pool("pending", widths, self.specs["k"].prq_span_frames)
+            self.groups["pending"] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
         # a memory plan's host tier (tiers.py): evicted frames leave as their main slot's codes, and
         # the recall slots are a pool of main-width slots, filled by the tiers, not by `step`
         self.keep_evicted = keep_evicted
@@ -294,7 +311,7 @@ class FrameStore:
         pol, n = self.policy, index
         post = set(kept_frames(n + 1, self.window, self.sink))
         for pool in self.pools.values():  # evict first: their slots take the new frames
-            if pool.name == "recall":
+            if pool.name in ("recall", "pending"):  # pending: a span completing now fits on them first
                 continue
             for f in [f for f in pool.frame_slot if f not in post]:
                 if self.keep_evicted:
@@ -311,8 +328,13 @@ class FrameStore:
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
             self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
-        name = frame_class(pol, index, n + 1)
+        name = "pending" if self.deferred else frame_class(pol, index, n + 1)
         self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD, index)
+        if self.deferred:
+            if not span_pending(self.specs["k"], index, n + 1):
+                self._complete_span(span_of(self.specs["k"], index), post)
+            for f in [f for f in self.pools["pending"].frame_slot if f not in post]:
+                self.pools["pending"].release(f)
         self._release_spans()
         if decode:
             yield from self.history(n + 1, rope, exclude=index)
@@ -342,6 +364,26 @@ class FrameStore:
         if frames:
             for t0 in range(0, self.T, self.token_block):
                 yield self._block("recall", frames, rope, slice(t0, t0 + self.token_block))
+
+    def _complete_span(self, span: int, post: set[int]) -> None:
+        """A deferred span's last frame is in: fit each group's state on the tokens of the span's frames
+        held before this step's eviction (frame order, decoded from float16) and code those kept
+        (`post`) into the main pool."""
+        pending = self.pools["pending"]
+        frames = sorted(f for f in pending.frame_slot if span_of(self.specs["k"], f) == span)
+        raw = {kind: self._decode("pending", kind, self._index([pending.frame_slot[f] for f in frames]))
+               for kind in "kv"}  # [B, H, F, T, D]
+        for kind in "kv":
+            slot = min(set(range(self.span_states[kind].shape[2])) - set(self.span_slot[kind].values()))
+            self.span_slot[kind][span] = slot
+            B, H, F, T, D = raw[kind].shape
+            for g in self.groups["main"][kind]:
+                if g.bits < 16:
+                    self.span_states[kind][:, g.heads, slot] = g.fit_span_state(raw[kind][:, g.heads].reshape(B, -1, F * T, D))
+        for j, f in enumerate(frames):
+            pending.release(f)
+            if f in post:
+                self._write("main", self.pools["main"].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
 
     def _recent_fp16(self) -> bool:
         return all(len(gs) == 1 and gs[0].bits >= 16 for gs in self.groups["recent"].values())

@@ -65,6 +65,9 @@ def fast_path_problem(recipe: Recipe) -> str | None:
             if pair.k.temporal != pair.v.temporal:
                 return f"layer {i}: predictive K and V with different 'temporal'"
             continue
+        problem = fast_frames.pair_problem(pair.k, pair.v)
+        if problem:
+            return f"layer {i}: {problem}"
         for kind, spec in (("k", pair.k), ("v", pair.v)):
             problem = fast_frames.problem(spec, D, recipe.scheme.policy)
             if problem:

@@ -9,6 +9,7 @@ several windows, sink counts, recent windows, anchors and mixed per-head / per-c
 """
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,10 +138,15 @@ def assert_records_equal(fast: FastKVCache, ref: QuantizedKVCache, layer: int, s
                     assert torch.equal(mine[key], theirs[key]), (step, layer, f, kind, h, key)
 
 
+DEFERRED_PRQ = TensorSpec(bits=2, kind="prq", group_size=8, prq_stages=1, prq_centroids=3, prq_span_frames=3, prq_deferred=True)
 FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
                  # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
                  # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
-                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo", "jensen")}}
+                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo", "jensen")},
+                 # Quant VideoGen's own schedule: spans of 3 frames held in float16 until complete (a key head at 16 bits)
+                 "prq_deferred": lambda: toy_recipe(DEFERRED_PRQ, replace(DEFERRED_PRQ, prq_centroids=2), TokenPolicy(sink_frames=0)),
+                 "prq_deferred_head_bits": lambda: toy_recipe(replace(DEFERRED_PRQ, head_bits=[2, 16]), DEFERRED_PRQ,
+                                                              TokenPolicy(sink_frames=0))}
 
 
 @pytest.mark.parametrize("name", FRAME_RECIPES)
@@ -211,7 +217,8 @@ class _Recorded(KVCache):
         self.calls.append((seen.layer, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope))
 
 
-@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2_lowmem", "turbo2.5", "jensen2", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp16", "naive2", "kivi2", "kivi4", "quarot2", "qvg2", "qvg2_lowmem", "turbo2.5", "jensen2",
+                                  "nvfp4"])
 def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
     """TinyWorld's own K/V, fed to both runtimes step by step (teacher-forced): records equal bitwise,
     outputs within float rounding at every step, bytes as predicted. Free rollouts are not compared:
@@ -231,7 +238,7 @@ def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
         want = ref.attend(layer, q, k, v, rope)
         torch.testing.assert_close(fast.attend(layer, q, k, v, rope), want, atol=ATOL_OUT, rtol=RTOL_OUT)
         assert_records_equal(fast, ref, layer, step)
-    assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(24, batch=2)
+    assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(fast.num_frames_seen, batch=2)
 
 
 # ---- predictive ----------------------------------------------------------------------------------------
