@@ -102,9 +102,10 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
 
 def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
     """Where the predictive fast path's time goes: ms per generated frame (all layers) of the recipe's
-    TinyWorld rollout inside each step of `fast_chain.ChainStore`, timed around its methods (best of
+    TinyWorld rollout inside each step of `fast_chain.ChainStore` and its `ChainCode`, timed around their methods (best of
     `repeats` per step), beside the float16 recipe's whole frame."""
     from calibrate import fast_chain
+    from calibrate.fast_chain_code import ChainCode
     from calibrate.adapters import TinyWorldAdapter
     from calibrate.world.trajectories import make_trajectories
     from calibrate.world.weights import load_weights
@@ -114,7 +115,9 @@ def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
     recipe, fp16 = load_recipe(recipe_path, world.info), build_baseline("fp16", world.info)
     cpu = torch.device("cpu")
     spent: dict[str, float] = {}
-    originals = {name: getattr(fast_chain.ChainStore, name) for name in ("scan", "values", "encode", "_commit", "_block")}
+    owners = {"scan": fast_chain.ChainStore, "values": ChainCode, "encode": ChainCode, "_commit": fast_chain.ChainStore,
+              "_block": fast_chain.ChainStore}
+    originals = {name: getattr(owner, name) for name, owner in owners.items()}
 
     def timed(name, f):
         def g(*a, **k):
@@ -127,7 +130,7 @@ def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
     best: dict[str, float] = {}
     try:
         for name, f in originals.items():
-            setattr(fast_chain.ChainStore, name, timed(name, f))
+            setattr(owners[name], name, timed(name, f))
         for _ in range(repeats):
             spent.clear()
             for label, r in (("total", recipe), ("fp16 recipe, total", fp16)):
@@ -138,7 +141,7 @@ def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
                 best[k] = min(best.get(k, math.inf), 1e3 * v / (frames - 1))
     finally:
         for name, f in originals.items():
-            setattr(fast_chain.ChainStore, name, f)
+            setattr(owners[name], name, f)
     return {"scan (unpack the codes, integer states of the chain)": best["scan"],
             "values ((unit v) R^T + mean, exact)": best["values"],
             "rotary of the keys, blocks": best["_block"] - best["values"],
@@ -299,7 +302,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['cache']} | {r['ms_per_frame_cpu']:.2f} | {r['x_fp16_fast']:.2f} | {r['x_float32_cache']:.2f} |")
     if res.get("breakdown"):
         lines += ["", "Where the shipped recipe's fast path spends its time (ms per generated frame, 4 layers; "
-                  "timers around `fast_chain.ChainStore`'s methods, best of 3):", "", "| step | ms / frame |", "|---|---:|"]
+                  "timers around the methods of `fast_chain.ChainStore` and `ChainCode`, best of 3):", "", "| step | ms / frame |", "|---|---:|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in res["breakdown"].items()]
     lines += ["", "## Wan-shaped attention (12 heads x 128, 1560 tokens per frame), one generated frame", "",
               "| history | cache | attend s (CPU) | resident MiB | transient MiB | peak MiB | packed MiB (= predicted) | "

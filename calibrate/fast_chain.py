@@ -29,7 +29,8 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    coded components with a matrix holding unit[d] where component d sits: each output is one
    product and exact zeros, so it equals the reference's elementwise product bit for bit.
 
-The integer states are those of `chain.ChainCodec` (tests hold them equal); values agree to
+The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
+the frames. The integer states are those of `chain.ChainCodec` (tests hold them equal); values agree to
 float rounding. Bytes held (`nbytes`) count the forms each kept frame is in, which is what
 `memory.predicted_cache_bytes` predicts; the slots not in use at the moment (the anchor frame's
 delta slot, warm-up) are capacity (`capacity_nbytes`).
@@ -41,9 +42,7 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
-from calibrate.quant.bitrows import RowLayout
-from calibrate.quant.chainscan import segmented_states
-from calibrate.quant import predictive
+from calibrate.fast_chain_code import ChainCode
 
 FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
@@ -72,43 +71,8 @@ class ChainStore:
     def __init__(self, tensors_k: dict, tensors_v: dict, pre_rotary: bool, temporal: bool, policy, window: int,
                  sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None,
                  recall_slots: int = 0, keep_evicted: bool = False):
-        cat = lambda role: torch.cat([tensors_k[role], tensors_v[role]]).to(device)
-        self.H = tensors_k["mean"].shape[0]
-        self.G, self.D = 2 * self.H, tensors_k["mean"].shape[1]
-        self.mean, self.rotation, self.unit = cat("mean"), cat("rotation"), cat("unit")
-        bits, self.s_intra, self.s_inter = cat("channel_bits"), cat("intra_step"), cat("inter_step")
-        anchor_bits = cat("anchor_bits")
-        self.levels = (1 << bits) - 1
-        self.offset = torch.where(anchor_bits > 0, 1 << (anchor_bits - 1).clamp_min(0), 0)
-        self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
-                                                  self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None])
-        self.s32 = [t.to(torch.int32) for t in (self.levels, self.s_intra, self.s_inter)]
-        self.codes_layout = RowLayout.concat(bits.tolist(), device)
-        self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
-        # Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head
-        # the coded ones come first, padded to Dc with components that decode to 0.
-        coded = (bits > 0).cpu()
-        self.Dc = Dc = max(int(coded.sum(-1).max()), 1)
-        order = torch.sort((~coded).to(torch.int8), dim=-1, stable=True).indices[:, :Dc]  # [G, Dc]
-        valid = torch.gather(coded, 1, order)
-        self.comp = order.to(device)
-        self.comp_valid = valid.to(device)
-        fields = (torch.arange(self.G)[:, None] * self.D + order).flatten()
-        self.codes_c = self.codes_layout.select(fields, valid.flatten())
-        self.anchor_c = self.anchor_layout.select(fields, valid.flatten())
-        # position of component d among the coded ones (Dc: the zero column appended on expansion)
-        pos = torch.full((self.G, self.D), Dc, dtype=torch.long)
-        pos.scatter_(1, torch.where(valid, order, self.D - 1), torch.where(valid, torch.arange(Dc).expand(self.G, -1), Dc))
-        pos[~coded] = Dc
-        self.pos = pos.to(device)
-        pick = lambda t: torch.where(self.comp_valid, torch.gather(t, 1, self.comp), torch.zeros((), dtype=t.dtype, device=device))
-        self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
-        self.offset_c = pick(self.offset).float()
-        self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
-        # unit * v from the coded components: spread[g, k, d] = unit[g, d] where d is coded component k
-        spread = torch.zeros(self.G, Dc + 1, self.D, device=device)
-        self.spread = spread.scatter_(1, self.pos[:, None, :], self.unit[:, None, :])[:, :Dc].contiguous()
-        self.rotation_t = self.rotation.transpose(-1, -2)
+        self.code = code = ChainCode(tensors_k, tensors_v, device)
+        self.H, self.G, self.D = code.H, code.G, code.D
         self.pre_rotary, self.temporal = pre_rotary, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
         self.R = policy.recent_frames
@@ -116,10 +80,7 @@ class ChainStore:
         self.M = sink_frames + self.Wm
         self.device = torch.device(device)
         self.set_block(token_block or tokens_per_frame)
-        self.bit_shift = torch.arange(8, dtype=torch.int32, device=self.device)
-        self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
         self.anchor_frame: int | None = None
-        self._scan_core, self._values_core = self._scan, self._values
         self.B: int | None = None
         self._index = IndexTensors(self.device)
         # a memory plan's host tier (tiers.py): the host form of the frame a step evicts, and the
@@ -135,9 +96,9 @@ class ChainStore:
             return
         T, G, D, dev = self.T, self.G, self.D, self.device
         self.B = B
-        self.codes = torch.zeros(B, self.M, self.codes_layout.nbytes, T, dtype=torch.uint8, device=dev)
+        self.codes = torch.zeros(B, self.M, self.code.codes_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.modes = torch.zeros(B, self.M, G, -(-T // 8), dtype=torch.uint8, device=dev)
-        self.anchor = torch.zeros(B, self.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
+        self.anchor = torch.zeros(B, self.code.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
         S = self.recall_slots
         self.slots = {name: t.new_zeros(t.shape[0], S, *t.shape[2:]) for name, t in
@@ -179,69 +140,8 @@ class ChainStore:
         codes = self.codes[..., tokens].index_select(1, slots)  # [B, J, C, Tb]
         modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
         anchor = self.anchor[..., tokens] if a is not None else None  # [B, Ca, Tb]
-        return self._scan_core(codes, modes, anchor, chain.index(a) if a is not None else -1,
-                               len(chain) > SCAN_MATMUL_FRAMES)
-
-    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
-        """`scan` on the packed forms of the chain frames (tensors in, tensors out: compilable)."""
-        c = self.codes_c.unpack_columns(codes)  # [B, J, G*Dc, Tb]
-        B, J, _, Tb = c.shape
-        dtype = torch.float32 if J < 256 else torch.float64
-        c = c.view(B, J, self.G, self.Dc, Tb).permute(0, 4, 2, 1, 3)  # [B, Tb, G, J, Dc]
-        k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
-        bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
-        reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
-        if anchor is not None:
-            reset = reset.clone()
-            reset[..., j] = True
-        resetf = reset.to(dtype).unsqueeze(-1)
-        contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
-        if anchor is not None:
-            contrib[..., j, :] = self._anchor_states(anchor, dtype)
-        if long:  # long chains: one running sum (quant/chainscan.py), O(J)
-            return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
-        positions = torch.arange(J, device=c.device)
-        last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
-        W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
-        return W.to(dtype) @ contrib
-
-    def _anchor_states(self, anchor: Tensor, dtype=torch.float32) -> Tensor:
-        """Packed anchors [..., Ca, Tb] -> their states, coded components [..., Tb, G, Dc]."""
-        fields = self.anchor_c.unpack_columns(anchor)
-        *lead, _, Tb = fields.shape
-        return fields.view(*lead, self.G, self.Dc, Tb).movedim(-1, -3).to(dtype) - self.offset_c
-
-    def compile(self, backend: str = "inductor") -> None:
-        """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and
-        the rotary into few kernels: the CUDA path; `backend="eager"` checks the capture on a CPU)."""
-        self._scan_core = torch.compile(self._scan, dynamic=True, backend=backend)
-        self._values_core = torch.compile(self._values, dynamic=True, backend=backend)
-
-    def expand(self, states: Tensor) -> Tensor:
-        """Coded components [..., G, Dc] -> int64 states [..., G, D] (0 where uncoded)."""
-        ext = torch.nn.functional.pad(states, (0, 1))
-        return torch.gather(ext, -1, self.pos.expand(*ext.shape[:-1], self.D)).to(torch.int64)
-
-    def compact(self, v: Tensor) -> Tensor:
-        """int64 states [..., G, D] -> coded components [..., G, Dc] (float32)."""
-        return torch.gather(v, -1, self.comp.expand(*v.shape[:-1], self.Dc)).float() * self.comp_valid
-
-    def encode(self, x_BGTD: Tensor, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """quant/predictive.encode itself, every head at once (its parameters stacked [G, 1, D] to
-        broadcast over [B, G, T, D]): (inter [B,G,T], codes, states [B,G,T,D] int64)."""
-        return predictive.encode(x_BGTD, self.params, v_prev)
-
-    def values(self, states: Tensor) -> Tensor:
-        """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
-        return self._values_core(states)
-
-    def _values(self, states: Tensor) -> Tensor:
-        # the reference's own steps, (unit * v) @ R^T + mean over every component, so the values
-        # (not only the states) come out bitwise as the reference runtime's
-        B, Tb, G, J, Dc = states.shape
-        s = states.float().permute(0, 2, 3, 1, 4).reshape(B, G, J * Tb, Dc)
-        x = (s @ self.spread) @ self.rotation_t + self.mean[:, None, :]  # unit * v (exact, see above), then R^T
-        return x.view(B, G, J, Tb, self.D)
+        return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1,
+                              len(chain) > SCAN_MATMUL_FRAMES)
 
     # ---- a step -----------------------------------------------------------------------------
     @property
@@ -255,7 +155,7 @@ class ChainStore:
     def plan(self, B: int, budget: int) -> int:
         """Set the token block from a workspace `budget` in bytes; returns the keys of one block."""
         J = self.sink + self.window
-        per_token = B * self.G * J * (2 * self.Dc + 2 * self.D + J) * 4
+        per_token = B * self.G * J * (2 * self.code.Dc + 2 * self.D + J) * 4
         self.set_block(max(1, budget // per_token))
         return J * self.token_block
 
@@ -330,7 +230,7 @@ class ChainStore:
             states = self.scan(chain_pre, tokens) if chain_pre else None
             v_e = None
             if pending is not None:
-                self._pack_anchor(self.expand(states[:, :, :, chain_pre.index(pending)]), self._evicted[1]["anchor"][..., tokens])
+                self.code.pack_anchor(self.code.expand(states[:, :, :, chain_pre.index(pending)]), self._evicted[1]["anchor"][..., tokens])
             if commit:
                 x = torch.cat((token_block(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
@@ -338,7 +238,7 @@ class ChainStore:
                 continue
             kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
             if with_e:
-                v_e = self.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
+                v_e = self.code.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
             yield self._block(kept, recent_slots, tokens, cos, sin)
         if commit:
@@ -355,13 +255,13 @@ class ChainStore:
                 x_e = x_BGTD
             v_prev = None
             if prev is not None:
-                v_prev = self.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
-            inter, c, v_e = self.encode(x_e, v_prev)
+                v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
+            inter, c, v_e = self.code.encode(x_e, v_prev)
             slot = self.slot(e)
             B, G, Tb, D = c.shape
-            self.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
+            self.code.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
             bits = inter if Tb % 8 == 0 else torch.nn.functional.pad(inter, (0, -Tb % 8))
-            byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.bit_shift).sum(-1, dtype=torch.int32)
+            byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
             t0 = tokens.start // 8
             self.modes[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
         if self.R:
@@ -370,15 +270,9 @@ class ChainStore:
             if anchor_post == e:
                 v_a = v_e.permute(0, 2, 1, 3)
             else:
-                v_a = self.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
-            self._pack_anchor(v_a, self.anchor[..., tokens])
+                v_a = self.code.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
+            self.code.pack_anchor(v_a, self.anchor[..., tokens])
         return v_e
-
-    def _pack_anchor(self, v_a: Tensor, out: Tensor) -> None:
-        """Pack states [B, Tb, G, D] as an anchor into `out` [B, Ca, Tb]."""
-        B, Tb = v_a.shape[:2]
-        fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
-        self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=out.transpose(-1, -2))
 
     # ---- a memory plan's host tier and recall slots ------------------------------------------------
     def _host_form(self, f: int) -> dict:
@@ -409,17 +303,17 @@ class ChainStore:
         for t0 in range(0, self.T, self.token_block):
             tokens = slice(t0, min(t0 + self.token_block, self.T))
             if self.temporal:  # [B, S, Tb, G, Dc] -> [B, Tb, G, S, Dc]
-                states = self._anchor_states(self.slots["anchor"][:, :S, :, tokens]).permute(0, 2, 3, 1, 4)
+                states = self.code.anchor_states(self.slots["anchor"][:, :S, :, tokens]).permute(0, 2, 3, 1, 4)
             else:  # intra frames: a scan without predecessors
                 modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
-                states = self._scan_core(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
+                states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
             yield self._block(states, None, tokens, cos, sin)
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames."""
         parts = []
         if states is not None:
-            parts.append(self.values(states))  # [B, G, J, Tb, D]
+            parts.append(self.code.values(states))  # [B, G, J, Tb, D]
         if recent_slots is not None:
             parts.append(self.recent[:, :, recent_slots, tokens].float())
         x = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

@@ -1,18 +1,16 @@
-"""The fast runtime's storage of per-frame codes (every per-frame kind): one ring per class.
+"""The fast runtime's storage of per-frame codes (every per-frame kind): one pool per class.
 
-A frame's K/V of one layer are held at the width of its class (memory.frame_class: `recent`,
-`sink`, `key` or `main`, the spec's width per head). `FrameStore` keeps one *pool* per class, each a set of
-buffers [B, Hg, capacity, ...] per group of heads stored alike (`quant/headcodec.GroupCodec`:
+`FrameStore` keeps one pool per precision class (fast_pools.py: which class, which capacity), each
+a set of buffers [B, Hg, capacity, ...] per group of heads stored alike (`quant/headcodec.GroupCodec`:
 same width, same clip ratio, compensator or not), allocated at the first frame. A frame gets a
 slot in its class's pool when it is coded (at once, or when it leaves the recent window, from
-its float16 copy) and gives it back when evicted; the capacity of each pool is the most frames
-of its class a cache with this window ever holds, so a steady-state step allocates nothing.
+its float16 copy) and gives it back when evicted.
 
 Kind prq with stages (Quant VideoGen) codes a frame against its span's centroids: the span's
 first frame coded below 16 bits fits them (`GroupCodec.fit_span_state`, the package's k-means for
 every head at once), they live in a slot of `span_states` while a kept frame of the span uses them,
 and decoding picks each frame's span state. A span shared by frames of several precision classes
-is left to the reference runtime (`problem`).
+is left to the reference runtime (`fast_pools.problem`).
 
 A deferred span (`prq_deferred`, Quant VideoGen's own schedule) holds its frames in a `pending`
 pool of float16 slots until its last frame is appended; then each group of heads fits the span's
@@ -35,61 +33,12 @@ from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
 from calibrate.codec import span_of, span_pending, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
+from calibrate.fast_pools import CLASSES, Pool, capacities, span_capacity
 from calibrate.memory import frame_class
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
-from calibrate.recipe import TensorSpec, TokenPolicy
-
-CLASSES = ("recent", "sink", "key", "main")
-
-
-def pair_problem(k: TensorSpec, v: TensorSpec) -> str | None:
-    """Why a layer's per-frame K and V have no fast path together, or None."""
-    if (k.prq_deferred, k.prq_span_frames) != (v.prq_deferred, v.prq_span_frames) and (k.prq_deferred or v.prq_deferred):
-        return "K and V with different deferred spans (prq_deferred, prq_span_frames)"
-    return None
-
-
-def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
-    """Why a per-frame spec has no fast path, or None."""
-    if KINDS[spec.kind].quantize is None:
-        return f"kind '{spec.kind}'"
-    if spec.jensen and (not KINDS[spec.kind].uniform_step or spec.sparse_fraction > 0):
-        return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
-    if D % 8:
-        return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
-    if spec.prq_deferred and (policy.sink_frames or policy.recent_frames or policy.keyframe_interval):
-        return "kind 'prq' with deferred spans (prq_deferred) and sink, recent or key frames"
-    if span_of(spec, 0) is not None and any(
-            count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
-                                                    (policy.recent_frames, policy.recent_bits),
-                                                    (policy.keyframe_interval, policy.keyframe_bits))):
-        return "kind 'prq' with span centroids and sink, recent or key frames below 16 bits"
-    return None
-
-
-class Pool:
-    """The slots of one class: per tensor (K, V), per group of heads, buffers [B, Hg, cap, ...]."""
-
-    def __init__(self, name: str, widths: dict[str, list[int]], capacity: int):
-        self.name, self.widths, self.capacity = name, widths, capacity
-        self.free = list(range(capacity))
-        self.frame_slot: dict[int, int] = {}
-        self.buffers: dict[str, list[dict[str, Tensor]]] = {}
-        self.slot_bytes = 0
-
-    def alloc(self, frame: int) -> int:
-        slot = self.free.pop(0) if self.name != "recent" else frame % self.capacity
-        self.frame_slot[frame] = slot
-        return slot
-
-    def release(self, frame: int) -> None:
-        slot = self.frame_slot.pop(frame)
-        if self.name != "recent":
-            self.free.append(slot)
-            self.free.sort()
-
+from calibrate.recipe import TensorSpec
 
 class FrameStore:
     """One layer's K and V coded per frame (see the module docstring)."""
@@ -108,29 +57,23 @@ class FrameStore:
         self.jensen = self.specs["k"].jensen  # quant/jensen.py: each key's own grid steps lower its logits
         self.k_rotation = tensors["k"].get("rotation")
         native = {kind: [spec.bits_of(h) for h in range(self.H)] for kind, spec in self.specs.items()}
-        widths_of = {"recent": lambda kind: [pol.recent_bits] * self.H, "sink": lambda kind: [pol.sink_bits] * self.H,
-                     "key": lambda kind: [pol.keyframe_bits] * self.H, "main": lambda kind: native[kind]}
-        capacity = self._capacities()
-        self.pools: dict[str, Pool] = {}
-        self.groups: dict[str, dict[str, list[GroupCodec]]] = {}
-        for name in CLASSES:
-            if capacity[name] == 0:
-                continue
-            widths = {kind: widths_of[name](kind) for kind in "kv"}
-            self.pools[name] = Pool(name, widths, capacity[name])
-            self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+        widths_of = {"recent": [pol.recent_bits] * self.H, "sink": [pol.sink_bits] * self.H,
+                     "key": [pol.keyframe_bits] * self.H, "pending": [16] * self.H}  # main, recall: native
+        capacity = capacities(pol, window, sink_frames)
         self.deferred = self.specs["k"].prq_deferred  # the same for V (pair_problem)
-        if self.deferred:  # frames of a span not yet complete, in float16
-            widths = {kind: [16] * self.H for kind in "kv"}
-            self.pools["pending"] = Pool("pending", widths, self.specs["k"].prq_span_frames)
-            self.groups["pending"] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+        capacity["pending"] = self.specs["k"].prq_span_frames if self.deferred else 0  # a span not yet complete
         # a memory plan's host tier (tiers.py): evicted frames leave as their main slot's codes, and
         # the recall slots are a pool of main-width slots, filled by the tiers, not by `step`
+        capacity["recall"] = recall_slots if capacity["main"] else 0
         self.keep_evicted = keep_evicted
         self._evicted: tuple[int, dict] | None = None
-        if recall_slots and "main" in self.pools:
-            self.pools["recall"] = Pool("recall", self.pools["main"].widths, recall_slots)
-            self.groups["recall"] = self.groups["main"]
+        self.pools: dict[str, Pool] = {}
+        self.groups: dict[str, dict[str, list[GroupCodec]]] = {}
+        for name in (*CLASSES, "pending", "recall"):
+            if capacity[name]:
+                widths = {kind: widths_of.get(name, native[kind]) for kind in "kv"}
+                self.pools[name] = Pool(name, widths, capacity[name])
+                self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
         # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
                                              device=self.device) for name, p in self.pools.items()}
@@ -144,28 +87,6 @@ class FrameStore:
         self.spanned = [kind for kind in "kv" if span_of(self.specs[kind], 0) is not None]
         self.span_states: dict[str, Tensor] = {}
         self.span_slot: dict[str, dict[int, int]] = {kind: {} for kind in self.spanned}
-
-    def _capacities(self) -> dict[str, int]:
-        """The most frames of each class held at once (simulated over a few key-frame periods)."""
-        pol, W, S = self.policy, self.window, self.sink
-        most = dict.fromkeys(CLASSES, 0)
-        horizon = S + W + pol.recent_frames + 3 * max(pol.keyframe_interval, 1) + 4
-        for n in range(1, horizon):
-            count = dict.fromkeys(CLASSES, 0)
-            for f in kept_frames(n, W, S):
-                count[frame_class(pol, f, n)] += 1
-            most = {c: max(most[c], count[c]) for c in CLASSES}
-        if pol.recent_frames:
-            most["recent"] = pol.recent_frames
-        return most
-
-    def _span_capacity(self, kind: str) -> int:
-        """The most spans in use at once: those of the main frames kept after a step, and the span of
-        the frame the step writes before the evicted frames' spans are dropped."""
-        spec, pol, W, S = self.specs[kind], self.policy, self.window, self.sink
-        horizon = S + W + pol.recent_frames + 3 * spec.prq_span_frames + 4
-        return max(len({span_of(spec, f) for f in kept_frames(n, W, S) if frame_class(pol, f, n + 1) == "main"}
-                       | {span_of(spec, n)}) for n in range(horizon))
 
     def _groups(self, spec: TensorSpec, tensors: dict, widths: list[int]) -> list[GroupCodec]:
         """Heads stored alike: same width, same clip, compensator or not (codec.head_params)."""
@@ -200,8 +121,9 @@ class FrameStore:
                 pool.buffers[kind] = bufs
         for kind in self.spanned:
             spec = self.specs[kind]
-            self.span_states[kind] = torch.zeros(B, self.H, self._span_capacity(kind), spec.prq_stages, spec.prq_centroids,
-                                                 self.D, dtype=torch.float16, device=self.device)
+            spans = span_capacity(spec, self.policy, self.window, self.sink)
+            self.span_states[kind] = x_v.new_zeros(B, self.H, spans, spec.prq_stages, spec.prq_centroids, self.D,
+                                                   dtype=torch.float16)
 
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
         """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
@@ -221,13 +143,12 @@ class FrameStore:
             heads = lambda t, g: t if len(g.heads) == self.H else t[:, g.heads]
             state = None
             if spanned:
-                span, slots = span_of(spec, index), self.span_slot[kind]
-                if span not in slots:
-                    slots[span] = min(set(range(self.span_states[kind].shape[2])) - set(slots.values()))
+                span = span_of(spec, index)
+                if span not in self.span_slot[kind]:
                     for g in self.groups[name][kind]:
                         if g.bits < 16:
-                            self.span_states[kind][:, g.heads, slots[span]] = g.fit_span_state(heads(x, g))
-                state = self.span_states[kind][:, :, slots[span]]
+                            self.span_states[kind][:, g.heads, self._new_span(kind, span)] = g.fit_span_state(heads(x, g))
+                state = self.span_states[kind][:, :, self._new_span(kind, span)]
             blocks = [slice(t0, t0 + step) for t0 in range(0, self.T, step)] if step < self.T else [slice(None)]
             groups = self.groups[name][kind]
             stats = [None] * len(groups)
@@ -245,6 +166,13 @@ class FrameStore:
                             target[:, :, tokens] = t
                         else:  # the frame's per-channel parameters
                             target.copy_(t)
+
+    def _new_span(self, kind: str, span: int) -> int:
+        """The slot of `span`'s state, taking a free one for a span without one."""
+        slots = self.span_slot[kind]
+        if span not in slots:
+            slots[span] = min(set(range(self.span_states[kind].shape[2])) - set(slots.values()))
+        return slots[span]
 
     def _release_spans(self) -> None:
         """Drop the span states no kept main frame uses any more (their slots take new spans)."""
@@ -318,13 +246,10 @@ class FrameStore:
                     assert pool.name == "main", "check_plan: no key frames with a host tier"
                     self._evicted = (f, self._slot_record(pool, pool.frame_slot[f], copy=True))
                 pool.release(f)
-        R = pol.recent_frames
-        leaving = index - R
+        R, leaving = pol.recent_frames, index - pol.recent_frames
         if R and leaving >= 0 and leaving in post and leaving in self.pools["recent"].frame_slot:
-            slot = self.pools["recent"].frame_slot[leaving]
-            bufs = self.pools["recent"].buffers
-            x = {kind: bufs[kind][0]["fp16"][:, :, slot] for kind in "kv"} if self._recent_fp16() else \
-                {kind: self._decode("recent", kind, self._index([slot]))[:, :, 0] for kind in "kv"}
+            slot = self._index([self.pools["recent"].frame_slot[leaving]])
+            x = {kind: self._decode("recent", kind, slot)[:, :, 0] for kind in "kv"}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
             self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
@@ -342,8 +267,8 @@ class FrameStore:
     # ---- a memory plan's host tier and recall slots ------------------------------------------------
     def _slot_record(self, pool: Pool, slot: int, copy: bool = False) -> dict:
         """A frame's codes in a pool slot: per kind, per group of heads, tensors [B, Hg, ...]."""
-        take = (lambda t: t[:, :, slot].clone()) if copy else (lambda t: t[:, :, slot])
-        return {kind: [{key: take(t) for key, t in bufs.items()} for bufs in pool.buffers[kind]] for kind in "kv"}
+        return {kind: [{key: t[:, :, slot].clone() if copy else t[:, :, slot] for key, t in bufs.items()}
+                       for bufs in pool.buffers[kind]] for kind in "kv"}
 
     def take_evicted(self) -> tuple[int, dict] | None:
         """(frame, host form) of the frame the last step evicted, once."""
@@ -360,10 +285,8 @@ class FrameStore:
 
     def recalled(self, rope=None):
         """Blocks (k post-rotary, v, corrections) of the filled recall slots."""
-        frames = sorted(self.pools["recall"].frame_slot) if "recall" in self.pools else []
-        if frames:
-            for t0 in range(0, self.T, self.token_block):
-                yield self._block("recall", frames, rope, slice(t0, t0 + self.token_block))
+        if "recall" in self.pools:
+            yield from self.history(0, rope, names=["recall"])
 
     def _complete_span(self, span: int, post: set[int]) -> None:
         """A deferred span's last frame is in: fit each group's state on the tokens of the span's frames
@@ -374,28 +297,23 @@ class FrameStore:
         raw = {kind: self._decode("pending", kind, self._index([pending.frame_slot[f] for f in frames]))
                for kind in "kv"}  # [B, H, F, T, D]
         for kind in "kv":
-            slot = min(set(range(self.span_states[kind].shape[2])) - set(self.span_slot[kind].values()))
-            self.span_slot[kind][span] = slot
             B, H, F, T, D = raw[kind].shape
             for g in self.groups["main"][kind]:
                 if g.bits < 16:
-                    self.span_states[kind][:, g.heads, slot] = g.fit_span_state(raw[kind][:, g.heads].reshape(B, -1, F * T, D))
+                    x = raw[kind][:, g.heads].reshape(B, -1, F * T, D)
+                    self.span_states[kind][:, g.heads, self._new_span(kind, span)] = g.fit_span_state(x)
         for j, f in enumerate(frames):
             pending.release(f)
             if f in post:
                 self._write("main", self.pools["main"].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
 
-    def _recent_fp16(self) -> bool:
-        return all(len(gs) == 1 and gs[0].bits >= 16 for gs in self.groups["recent"].values())
-
-    def history(self, n: int, rope=None, exclude: int | None = None):
-        """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but `exclude`."""
+    def history(self, n: int, rope=None, exclude: int | None = None, names=None):
+        """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but
+        `exclude`, in pools `names` (default: all but the recall slots, read after the step's recall)."""
         if self.B is None:
             return
-        for name, pool in self.pools.items():
-            if name == "recall":  # read after the step's recall (`recalled`)
-                continue
-            frames = sorted(f for f in pool.frame_slot if f != exclude)
+        for name in names or [name for name in self.pools if name != "recall"]:
+            frames = sorted(f for f in self.pools[name].frame_slot if f != exclude)
             step = self.frame_block or len(frames) or 1
             for i in range(0, len(frames), step):
                 chunk = frames[i: i + step]
@@ -478,6 +396,3 @@ class FrameStore:
         return (sum(t.numel() * t.element_size() for pool in self.pools.values() for bufs in pool.buffers.values()
                     for b in bufs for t in b.values())
                 + sum(t.numel() * t.element_size() for t in self.span_states.values()))
-
-
-__all__ = ["FrameStore", "frame_class", "frame_nbytes", "problem"]

@@ -54,7 +54,7 @@ class FastPathError(ValueError):
 
 def fast_path_problem(recipe: Recipe) -> str | None:
     """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None."""
-    from calibrate import fast_frames
+    from calibrate import fast_pools
 
     D = recipe.model.head_dim
     for i, pair in enumerate(recipe.scheme.layers):
@@ -65,11 +65,11 @@ def fast_path_problem(recipe: Recipe) -> str | None:
             if pair.k.temporal != pair.v.temporal:
                 return f"layer {i}: predictive K and V with different 'temporal'"
             continue
-        problem = fast_frames.pair_problem(pair.k, pair.v)
+        problem = fast_pools.pair_problem(pair.k, pair.v)
         if problem:
             return f"layer {i}: {problem}"
         for kind, spec in (("k", pair.k), ("v", pair.v)):
-            problem = fast_frames.problem(spec, D, recipe.scheme.policy)
+            problem = fast_pools.problem(spec, D, recipe.scheme.policy)
             if problem:
                 return f"layer {i} {kind}: {problem}"
     return None
@@ -196,7 +196,7 @@ class FastKVCache(KVCache):
         if compile:
             for store in self.stores:
                 if isinstance(store, ChainStore):
-                    store.compile(compile)
+                    store.code.compile(compile)
         self._coords: list[Tensor | None] = [None] * self.num_layers  # [B, sink + window + slots, P] float32
         self._rotary = _RotaryMemo()
 

@@ -248,7 +248,7 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
     chain = store.chain(cache._num_appended[layer])
     if not chain:
         return {}
-    s = store.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
+    s = store.code.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
     return {(kind, f): s[:, j, i * store.H:(i + 1) * store.H].long() for j, f in enumerate(chain)
             for i, kind in enumerate("kv")}
 

@@ -464,7 +464,7 @@ def test_golden_predictive_modes(row):
     inter, codes, v = P.encode(x, p, v_prev)  # the reference runtime's encoder (chain.ChainCodec)
     assert (inter.flatten().tolist(), codes.flatten().tolist(), v.flatten().tolist()) == want
     store = ChainStore(roles, roles, False, True, SimpleNamespace(recent_frames=0), 1, 0, 1, "cpu")  # the fast runtime's
-    inter, codes, v = store.encode(x[:, None].expand(1, 2, 1, 2), v_prev[:, None].expand(1, 2, 1, 2))
+    inter, codes, v = store.code.encode(x[:, None].expand(1, 2, 1, 2), v_prev[:, None].expand(1, 2, 1, 2))
     for g in range(2):
         assert (inter[:, g].flatten().tolist(), codes[:, g].flatten().tolist(), v[:, g].flatten().tolist()) == want
     tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}

@@ -1,0 +1,143 @@
+"""A layer's predictive code on packed rows, every head at once: the fast runtime's arithmetic.
+
+`ChainCode` stacks one layer's predictive K and V parameters as G = 2H heads (K then V), derives
+once what the per-step arithmetic needs, and does that arithmetic on packed forms; it holds no
+frames (`fast_chain.ChainStore` holds them):
+
+- `scan`: the packed codes and modes of a chain of frames (and its anchor) -> every frame's
+  integer states, the summation rule of `ChainStore`'s docstring (a 0/1 matmul for short
+  chains, `quant/chainscan.segmented_states` for long ones);
+- `values`: states -> (unit * v) @ R^T + mean, the reference's own steps (bitwise);
+- `encode`: `quant/predictive.encode` itself, every head at once;
+- `anchor_states` / `pack_anchor`: an anchor's packed fields <-> its states;
+- `expand` / `compact`: coded components <-> all D components.
+
+Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head the
+coded ones come first, padded to Dc with components that decode to 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from calibrate.quant import predictive
+from calibrate.quant.bitrows import RowLayout
+from calibrate.quant.chainscan import segmented_states
+
+
+class ChainCode:
+    """One layer's predictive K and V parameters, stacked [G, ...], and the code's arithmetic."""
+
+    def __init__(self, tensors_k: dict, tensors_v: dict, device):
+        cat = lambda role: torch.cat([tensors_k[role], tensors_v[role]]).to(device)
+        self.H = tensors_k["mean"].shape[0]
+        self.G, self.D = 2 * self.H, tensors_k["mean"].shape[1]
+        self.mean, self.rotation, self.unit = cat("mean"), cat("rotation"), cat("unit")
+        bits, self.s_intra, self.s_inter = cat("channel_bits"), cat("intra_step"), cat("inter_step")
+        anchor_bits = cat("anchor_bits")
+        self.levels = (1 << bits) - 1
+        self.offset = torch.where(anchor_bits > 0, 1 << (anchor_bits - 1).clamp_min(0), 0)
+        self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
+                                                  self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None])
+        self.codes_layout = RowLayout.concat(bits.tolist(), device)
+        self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
+        # coded components first per head (see the module docstring)
+        coded = (bits > 0).cpu()
+        self.Dc = Dc = max(int(coded.sum(-1).max()), 1)
+        order = torch.sort((~coded).to(torch.int8), dim=-1, stable=True).indices[:, :Dc]  # [G, Dc]
+        valid = torch.gather(coded, 1, order)
+        self.comp = order.to(device)
+        self.comp_valid = valid.to(device)
+        fields = (torch.arange(self.G)[:, None] * self.D + order).flatten()
+        self.codes_c = self.codes_layout.select(fields, valid.flatten())
+        self.anchor_c = self.anchor_layout.select(fields, valid.flatten())
+        # position of component d among the coded ones (Dc: the zero column appended on expansion)
+        pos = torch.full((self.G, self.D), Dc, dtype=torch.long)
+        pos.scatter_(1, torch.where(valid, order, self.D - 1), torch.where(valid, torch.arange(Dc).expand(self.G, -1), Dc))
+        pos[~coded] = Dc
+        self.pos = pos.to(device)
+        pick = lambda t: torch.where(self.comp_valid, torch.gather(t, 1, self.comp), torch.zeros((), dtype=t.dtype, device=device))
+        self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
+        self.offset_c = pick(self.offset).float()
+        self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
+        # unit * v from the coded components: spread[g, k, d] = unit[g, d] where d is coded component k
+        spread = torch.zeros(self.G, Dc + 1, self.D, device=device)
+        self.spread = spread.scatter_(1, self.pos[:, None, :], self.unit[:, None, :])[:, :Dc].contiguous()
+        self.rotation_t = self.rotation.transpose(-1, -2)
+        self.bit_shift = torch.arange(8, dtype=torch.int32, device=device)
+        self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
+        self._scan_core, self._values_core = self._scan, self._values
+
+    def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
+        """Integer states [B, Tb, G, J, Dc] (float32, exact integers) of J chain frames from their
+        packed codes [B, J, C, Tb] and modes [B, J, G, Tb/8], frame j's states replaced by the
+        anchor [B, Ca, Tb] (a reset; None: no anchor); `long` chains by a running sum."""
+        return self._scan_core(codes, modes, anchor, j, long)
+
+    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
+        """`scan` (tensors in, tensors out: compilable)."""
+        c = self.codes_c.unpack_columns(codes)  # [B, J, G*Dc, Tb]
+        B, J, _, Tb = c.shape
+        dtype = torch.float32 if J < 256 else torch.float64
+        c = c.view(B, J, self.G, self.Dc, Tb).permute(0, 4, 2, 1, 3)  # [B, Tb, G, J, Dc]
+        k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
+        bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
+        reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
+        if anchor is not None:
+            reset = reset.clone()
+            reset[..., j] = True
+        resetf = reset.to(dtype).unsqueeze(-1)
+        contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
+        if anchor is not None:
+            contrib[..., j, :] = self.anchor_states(anchor, dtype)
+        if long:  # long chains: one running sum (quant/chainscan.py), O(J)
+            return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
+        positions = torch.arange(J, device=c.device)
+        last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
+        W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
+        return W.to(dtype) @ contrib
+
+    def anchor_states(self, anchor: Tensor, dtype=torch.float32) -> Tensor:
+        """Packed anchors [..., Ca, Tb] -> their states, coded components [..., Tb, G, Dc]."""
+        fields = self.anchor_c.unpack_columns(anchor)
+        *lead, _, Tb = fields.shape
+        return fields.view(*lead, self.G, self.Dc, Tb).movedim(-1, -3).to(dtype) - self.offset_c
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and
+        the rotary into few kernels: the CUDA path; `backend="eager"` checks the capture on a CPU)."""
+        self._scan_core = torch.compile(self._scan, dynamic=True, backend=backend)
+        self._values_core = torch.compile(self._values, dynamic=True, backend=backend)
+
+    def expand(self, states: Tensor) -> Tensor:
+        """Coded components [..., G, Dc] -> int64 states [..., G, D] (0 where uncoded)."""
+        ext = torch.nn.functional.pad(states, (0, 1))
+        return torch.gather(ext, -1, self.pos.expand(*ext.shape[:-1], self.D)).to(torch.int64)
+
+    def compact(self, v: Tensor) -> Tensor:
+        """int64 states [..., G, D] -> coded components [..., G, Dc] (float32)."""
+        return torch.gather(v, -1, self.comp.expand(*v.shape[:-1], self.Dc)).float() * self.comp_valid
+
+    def encode(self, x_BGTD: Tensor, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """quant/predictive.encode itself, every head at once (its parameters stacked [G, 1, D] to
+        broadcast over [B, G, T, D]): (inter [B,G,T], codes, states [B,G,T,D] int64)."""
+        return predictive.encode(x_BGTD, self.params, v_prev)
+
+    def values(self, states: Tensor) -> Tensor:
+        """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
+        return self._values_core(states)
+
+    def _values(self, states: Tensor) -> Tensor:
+        # the reference's own steps, (unit * v) @ R^T + mean over every component, so the values
+        # (not only the states) come out bitwise as the reference runtime's
+        B, Tb, G, J, Dc = states.shape
+        s = states.float().permute(0, 2, 3, 1, 4).reshape(B, G, J * Tb, Dc)
+        x = (s @ self.spread) @ self.rotation_t + self.mean[:, None, :]  # unit * v (exact, see above), then R^T
+        return x.view(B, G, J, Tb, self.D)
+
+    def pack_anchor(self, v_a: Tensor, out: Tensor) -> None:
+        """Pack states [B, Tb, G, D] as an anchor into `out` [B, Ca, Tb]."""
+        B, Tb = v_a.shape[:2]
+        fields = v_a.reshape(B, Tb, self.G, self.D) + self.offset
+        self.anchor_layout.pack(fields.reshape(B, Tb, -1), out=out.transpose(-1, -2))
