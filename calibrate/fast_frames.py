@@ -6,11 +6,10 @@ same width, same clip ratio, compensator or not), allocated at the first frame. 
 slot in its class's pool when it is coded (at once, or when it leaves the recent window, from
 its float16 copy) and gives it back when evicted.
 
-Kind prq with stages (Quant VideoGen) codes a frame against its span's centroids: the span's
-first frame coded below 16 bits fits them (`GroupCodec.fit_span_state`, the package's k-means for
-every head at once), they live in a slot of `span_states` while a kept frame of the span uses them,
-and decoding picks each frame's span state. A span shared by frames of several precision classes
-is left to the reference runtime (`fast_pools.problem`).
+Kind prq with stages (Quant VideoGen) codes a frame against its span's centroids: per head, the
+span's first frame coded below 16 bits (in any class) fits them (`GroupCodec.fit_span_state`, the
+package's k-means for every head of a group at once), they live in a slot (`fast_pools.SpanStates`) while a
+kept frame of the span is held below 16 bits for that head, and decoding picks each frame's state.
 
 A deferred span (`prq_deferred`, Quant VideoGen's own schedule) holds its frames in a `pending`
 pool of float16 slots until its last frame is appended; then each group of heads fits the span's
@@ -33,7 +32,7 @@ from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
 from calibrate.codec import span_of, span_pending, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
-from calibrate.fast_pools import CLASSES, Pool, capacities, span_capacity
+from calibrate.fast_pools import CLASSES, Pool, SpanStates, capacities, span_capacity
 from calibrate.memory import frame_class
 from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.jensen import jensen_bias
@@ -77,16 +76,14 @@ class FrameStore:
         # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
                                              device=self.device) for name, p in self.pools.items()}
-        self.frame_block = frame_block
-        self.token_block = self.T
+        self.frame_block, self.token_block = frame_block, self.T
         self.write_block = self.T  # tokens of a frame coded at a time (`plan`)
         self.B: int | None = None
         self._index = IndexTensors(self.device)
         # kind prq with stages: per kind, the span states [B, H, slots, stages, C, D] of the spans a
         # kept frame below 16 bits uses (only main frames: `problem`), fitted on a span's first frame
         self.spanned = [kind for kind in "kv" if span_of(self.specs[kind], 0) is not None]
-        self.span_states: dict[str, Tensor] = {}
-        self.span_slot: dict[str, dict[int, int]] = {kind: {} for kind in self.spanned}
+        self.spans = {kind: SpanStates() for kind in self.spanned}
 
     def _groups(self, spec: TensorSpec, tensors: dict, widths: list[int]) -> list[GroupCodec]:
         """Heads stored alike: same width, same clip, compensator or not (codec.head_params)."""
@@ -111,7 +108,7 @@ class FrameStore:
                 bufs = []
                 for g in self.groups[name][kind]:
                     state = None
-                    if kind in self.spanned and name == "main":  # shapes only: a state of zeros
+                    if kind in self.spanned:  # shapes only: a state of zeros
                         spec = self.specs[kind]
                         state = x.new_zeros(B, len(g.heads), spec.prq_stages, spec.prq_centroids, self.D, dtype=torch.float16)
                     sample = g.encode(x[:, g.heads], state)
@@ -122,8 +119,8 @@ class FrameStore:
         for kind in self.spanned:
             spec = self.specs[kind]
             spans = span_capacity(spec, self.policy, self.window, self.sink)
-            self.span_states[kind] = x_v.new_zeros(B, self.H, spans, spec.prq_stages, spec.prq_centroids, self.D,
-                                                   dtype=torch.float16)
+            self.spans[kind].states = x_v.new_zeros(B, self.H, spans, spec.prq_stages, spec.prq_centroids, self.D,
+                                                    dtype=torch.float16)
 
     def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
         """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
@@ -133,7 +130,7 @@ class FrameStore:
         pool = self.pools[name]
         for kind, x in (("k", x_k), ("v", x_v)):
             spec = self.specs[kind]
-            spanned = kind in self.spanned and name == "main"
+            spanned = self._spanned(name, kind)
             ranged = spec.axis == "channel" and not spec.static
             by_tokens = (spec.sparse_fraction == 0 and not spanned and not KINDS[spec.kind].frame_wide
                          and (not ranged or spec.kind == "uniform"))
@@ -142,13 +139,16 @@ class FrameStore:
                 x = x.full()  # per-channel ranges, frame-wide scales and span centroids need the whole frame
             heads = lambda t, g: t if len(g.heads) == self.H else t[:, g.heads]
             state = None
-            if spanned:
+            if spanned:  # heads coding their span's first frame below 16 bits fit its state on it
                 span = span_of(spec, index)
-                if span not in self.span_slot[kind]:
-                    for g in self.groups[name][kind]:
-                        if g.bits < 16:
-                            self.span_states[kind][:, g.heads, self._new_span(kind, span)] = g.fit_span_state(heads(x, g))
-                state = self.span_states[kind][:, :, self._new_span(kind, span)]
+                spans = self.spans[kind]
+                s = spans.slot_of(span)
+                for g in self.groups[name][kind]:
+                    todo = [i for i, h in enumerate(g.heads) if h not in spans.fitted[span]] if g.bits < 16 else []
+                    if todo:
+                        spans.states[:, [g.heads[i] for i in todo], s] = g.fit_span_state(heads(x, g))[:, todo]
+                        spans.fitted[span].update(g.heads)
+                state = spans.states[:, :, s]
             blocks = [slice(t0, t0 + step) for t0 in range(0, self.T, step)] if step < self.T else [slice(None)]
             groups = self.groups[name][kind]
             stats = [None] * len(groups)
@@ -167,29 +167,27 @@ class FrameStore:
                         else:  # the frame's per-channel parameters
                             target.copy_(t)
 
-    def _new_span(self, kind: str, span: int) -> int:
-        """The slot of `span`'s state, taking a free one for a span without one."""
-        slots = self.span_slot[kind]
-        if span not in slots:
-            slots[span] = min(set(range(self.span_states[kind].shape[2])) - set(slots.values()))
-        return slots[span]
+    def _spanned(self, name: str, kind: str) -> bool:
+        """The pool codes some head of `kind` against span states."""
+        return kind in self.spanned and any(g.bits < 16 for g in self.groups[name][kind])
 
-    def _release_spans(self) -> None:
-        """Drop the span states no kept main frame uses any more (their slots take new spans)."""
-        main = self.pools.get("main")
-        for kind in self.spanned:
-            live = {span_of(self.specs[kind], f) for f in (main.frame_slot if main else ())}
-            for span in [s for s in self.span_slot[kind] if s not in live]:
-                del self.span_slot[kind][span]
+    def _live_spans(self, kind: str) -> dict[int, set[int]]:
+        """span -> the heads that hold a kept frame of it below 16 bits."""
+        live: dict[int, set[int]] = {}
+        for name, pool in self.pools.items():
+            low = {h for g in self.groups[name][kind] if g.bits < 16 for h in g.heads}
+            for f in pool.frame_slot if low else ():
+                live.setdefault(span_of(self.specs[kind], f), set()).update(low)
+        return live
 
     def _decode(self, name: str, kind: str, slots: Tensor, tokens: slice = slice(None),
                 frames: list[int] | None = None) -> Tensor:
         """[B, H, J, Tb, D] of the pool's `slots` (their `tokens`), every head; `frames` (those slots'
         frames) pick the span states of kind prq."""
         state = None
-        if kind in self.spanned and name == "main":
-            spans = self._index([self.span_slot[kind][span_of(self.specs[kind], f)] for f in frames])
-            state = self.span_states[kind].index_select(2, spans)  # [B, H, J, stages, C, D]
+        if self._spanned(name, kind):
+            spans = self.spans[kind]
+            state = spans.states.index_select(2, self._index([spans.slot[span_of(self.specs[kind], f)] for f in frames]))
         return self._per_group(name, kind, slots, tokens,
                                lambda g, stored: g.decode(stored, self.T, None if state is None else state[:, g.heads]))
 
@@ -249,7 +247,7 @@ class FrameStore:
         R, leaving = pol.recent_frames, index - pol.recent_frames
         if R and leaving >= 0 and leaving in post and leaving in self.pools["recent"].frame_slot:
             slot = self._index([self.pools["recent"].frame_slot[leaving]])
-            x = {kind: self._decode("recent", kind, slot)[:, :, 0] for kind in "kv"}
+            x = {kind: self._decode("recent", kind, slot, frames=[leaving])[:, :, 0] for kind in "kv"}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
             self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
@@ -257,10 +255,11 @@ class FrameStore:
         self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD, index)
         if self.deferred:
             if not span_pending(self.specs["k"], index, n + 1):
-                self._complete_span(span_of(self.specs["k"], index), post)
+                self._complete_span(span_of(self.specs["k"], index), post, n + 1)
             for f in [f for f in self.pools["pending"].frame_slot if f not in post]:
                 self.pools["pending"].release(f)
-        self._release_spans()
+        for kind in self.spanned:  # each head's span states no kept frame below 16 bits uses any more go
+            self.spans[kind].release(self._live_spans(kind))
         if decode:
             yield from self.history(n + 1, rope, exclude=index)
 
@@ -288,7 +287,7 @@ class FrameStore:
         if "recall" in self.pools:
             yield from self.history(0, rope, names=["recall"])
 
-    def _complete_span(self, span: int, post: set[int]) -> None:
+    def _complete_span(self, span: int, post: set[int], n: int) -> None:
         """A deferred span's last frame is in: fit each group's state on the tokens of the span's frames
         held before this step's eviction (frame order, decoded from float16) and code those kept
         (`post`) into the main pool."""
@@ -296,16 +295,19 @@ class FrameStore:
         frames = sorted(f for f in pending.frame_slot if span_of(self.specs["k"], f) == span)
         raw = {kind: self._decode("pending", kind, self._index([pending.frame_slot[f] for f in frames]))
                for kind in "kv"}  # [B, H, F, T, D]
+        main = [j for j, f in enumerate(frames) if frame_class(self.policy, f, n) == "main"]  # others: 16 bits
         for kind in "kv":
             B, H, F, T, D = raw[kind].shape
-            for g in self.groups["main"][kind]:
+            for g in self.groups["main"][kind] if main else ():
                 if g.bits < 16:
-                    x = raw[kind][:, g.heads].reshape(B, -1, F * T, D)
-                    self.span_states[kind][:, g.heads, self._new_span(kind, span)] = g.fit_span_state(x)
+                    x = raw[kind][:, g.heads][:, :, main].reshape(B, -1, len(main) * T, D)
+                    self.spans[kind].states[:, g.heads, self.spans[kind].slot_of(span)] = g.fit_span_state(x)
+                    self.spans[kind].fitted[span].update(g.heads)
         for j, f in enumerate(frames):
             pending.release(f)
             if f in post:
-                self._write("main", self.pools["main"].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
+                name = frame_class(self.policy, f, n)
+                self._write(name, self.pools[name].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
 
     def history(self, n: int, rope=None, exclude: int | None = None, names=None):
         """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but
@@ -387,12 +389,12 @@ class FrameStore:
     # ---- bytes ----------------------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:
         spans = 0
-        for kind in self.spanned:  # one state per live span and head coded below 16 bits
-            coded = sum(len(g.heads) for g in self.groups["main"][kind] if g.bits < 16)
-            spans += len(self.span_slot[kind]) * coded * span_state_nbytes(self.specs[kind], self.B or 0, self.D)
+        for kind in self.spanned:  # one state per head and span with a kept frame below 16 bits
+            heads = sum(len(h) for h in self._live_spans(kind).values())
+            spans += heads * span_state_nbytes(self.specs[kind], self.B or 0, self.D)
         return spans + sum(len(pool.frame_slot) * pool.slot_bytes for pool in self.pools.values())
 
     def capacity_nbytes(self) -> int:
         return (sum(t.numel() * t.element_size() for pool in self.pools.values() for bufs in pool.buffers.values()
                     for b in bufs for t in b.values())
-                + sum(t.numel() * t.element_size() for t in self.span_states.values()))
+                + sum(s.states.numel() * s.states.element_size() for s in self.spans.values() if s.states is not None))

@@ -37,13 +37,9 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
         return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
-    if spec.prq_deferred and (policy.sink_frames or policy.recent_frames or policy.keyframe_interval):
-        return "kind 'prq' with deferred spans (prq_deferred) and sink, recent or key frames"
-    if span_of(spec, 0) is not None and any(
-            count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
-                                                    (policy.recent_frames, policy.recent_bits),
-                                                    (policy.keyframe_interval, policy.keyframe_bits))):
-        return "kind 'prq' with span centroids and sink, recent or key frames below 16 bits"
+    if spec.prq_deferred and any(count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
+                                                                         (policy.keyframe_interval, policy.keyframe_bits))):
+        return "kind 'prq' with deferred spans (prq_deferred) and sink or key frames below 16 bits"
     return None
 
 
@@ -69,6 +65,32 @@ class Pool:
             self.free.sort()
 
 
+class SpanStates:
+    """Kind prq's span states of one tensor: `states` [B, H, slots, stages, C, D] float16, the slot
+    of each span in use, and the heads whose state for that span is fitted."""
+
+    def __init__(self):
+        self.states: Tensor | None = None
+        self.slot: dict[int, int] = {}
+        self.fitted: dict[int, set[int]] = {}
+
+    def slot_of(self, span: int) -> int:
+        """The slot of `span`'s state, taking a free one for a span without one."""
+        if span not in self.slot:
+            self.slot[span] = min(set(range(self.states.shape[2])) - set(self.slot.values()))
+            self.fitted[span] = set()
+        return self.slot[span]
+
+    def release(self, live: dict[int, set[int]]) -> None:
+        """Keep each span's states only for the heads that still hold a frame of it below 16 bits
+        (`live`); a span no head holds gives its slot to new spans."""
+        for span in list(self.slot):
+            if span in live:
+                self.fitted[span] &= live[span]
+            else:
+                del self.slot[span], self.fitted[span]
+
+
 def capacities(pol: TokenPolicy, window: int, sink_frames: int) -> dict[str, int]:
     """The most frames of each class a cache of this window holds at once (simulated over a few
     key-frame periods): each class's pool capacity."""
@@ -86,9 +108,8 @@ def capacities(pol: TokenPolicy, window: int, sink_frames: int) -> dict[str, int
 
 
 def span_capacity(spec: TensorSpec, pol: TokenPolicy, window: int, sink_frames: int) -> int:
-    """The most spans in use at once: those of the main frames kept after a step, and the span of
-    the frame the step writes before the evicted frames' spans are dropped."""
+    """The most spans in use at once (an upper bound): those of the frames held before a step,
+    and the span of the frame it writes, before the evicted frames' spans are dropped."""
     W, S = window, sink_frames
     horizon = S + W + pol.recent_frames + 3 * spec.prq_span_frames + 4
-    return max(len({span_of(spec, f) for f in kept_frames(n, W, S) if frame_class(pol, f, n + 1) == "main"}
-                   | {span_of(spec, n)}) for n in range(horizon))
+    return max(len({span_of(spec, f) for f in kept_frames(n, W, S)} | {span_of(spec, n)}) for n in range(horizon))

@@ -142,7 +142,13 @@ DEFERRED_PRQ = TensorSpec(bits=2, kind="prq", group_size=8, prq_stages=1, prq_ce
 FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, policy=POLICY)) for n, s in SPECS.items()},
                  # kind prq: span centroids fitted on a span's first coded frame (recent and sink frames at 16
                  # bits, spans of 3 frames), a head at 16 bits, and the residual alone (no stages)
-                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "turbo", "jensen")},
+                 # and spans shared by frames of several classes: key frames at 4 bits, recent and sink frames below 16
+                 **{n: (lambda n=n: _toy_peer_recipes()[n]) for n in ("prq_recent_sink16", "prq_head_bits", "prq_keyframes",
+                                                                     "turbo", "jensen")},
+                 "prq_recent_sink_low": lambda: toy_recipe(replace(DEFERRED_PRQ, prq_deferred=False, head_bits=[2, 16]),
+                                                           policy=TokenPolicy(sink_frames=1, sink_bits=3, recent_frames=2,
+                                                                              recent_bits=4)),
+                 "prq_deferred_sink16": lambda: toy_recipe(DEFERRED_PRQ, policy=TokenPolicy(sink_frames=1, sink_bits=16)),
                  # Quant VideoGen's own schedule: spans of 3 frames held in float16 until complete (a key head at 16 bits)
                  "prq_deferred": lambda: toy_recipe(DEFERRED_PRQ, replace(DEFERRED_PRQ, prq_centroids=2), TokenPolicy(sink_frames=0)),
                  "prq_deferred_head_bits": lambda: toy_recipe(replace(DEFERRED_PRQ, head_bits=[2, 16]), DEFERRED_PRQ,
@@ -358,8 +364,10 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
 def test_kinds_without_a_fast_path_are_named():
     """A prq span shared by frames of several classes and the Jensen correction on dense-and-sparse
     keys are left to the reference runtime, by name; the turbo kinds and the Jensen correction run fast."""
-    assert "kind 'prq' with span centroids" in fast_path_problem(_toy_peer_recipes()["prq_keyframes"])
+    assert fast_path_problem(_toy_peer_recipes()["prq_keyframes"]) is None
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
+    deferred_sink = toy_recipe(DEFERRED_PRQ, policy=TokenPolicy(sink_frames=1, sink_bits=4))
+    assert "deferred spans (prq_deferred) and sink or key frames below 16 bits" in fast_path_problem(deferred_sink)
     assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None
     sparse = toy_recipe(TensorSpec(bits=2, jensen=True, sparse_fraction=0.05), TensorSpec(bits=2))
     assert "the Jensen correction on kind 'uniform' with dense-and-sparse values" in fast_path_problem(sparse)
