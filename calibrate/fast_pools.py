@@ -33,8 +33,8 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
     """Why a per-frame spec has no fast path, or None."""
     if KINDS[spec.kind].quantize is None:
         return f"kind '{spec.kind}'"
-    if spec.jensen and (not KINDS[spec.kind].uniform_step or spec.sparse_fraction > 0):
-        return f"the Jensen correction on kind '{spec.kind}'" + (" with dense-and-sparse values" if spec.sparse_fraction else "")
+    if spec.jensen and not KINDS[spec.kind].uniform_step:
+        return f"the Jensen correction on kind '{spec.kind}'"
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
     if spec.prq_deferred and any(count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),

@@ -176,7 +176,8 @@ def test_per_frame_kinds_equal_the_reference(name, window, sink):
     assert fast.capacity_nbytes() == capacity  # nothing allocated once warm
 
 
-@pytest.mark.parametrize("key", [dict(axis="channel"), dict(group_size=8)])
+@pytest.mark.parametrize("key", [dict(axis="channel"), dict(group_size=8), dict(group_size=8, sparse_fraction=0.05),
+                                 dict(axis="channel", sparse_fraction=0.05)])
 @pytest.mark.parametrize("window,sink", [(3, 1), (4, 0)])
 def test_jensen_correction_equals_the_reference(window, sink, key):
     """Each key's own grid steps (per-channel or per-token-group K, an outlier channel, float16 recent
@@ -362,15 +363,15 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
 
 
 def test_kinds_without_a_fast_path_are_named():
-    """A prq span shared by frames of several classes and the Jensen correction on dense-and-sparse
-    keys are left to the reference runtime, by name; the turbo kinds and the Jensen correction run fast."""
+    """A deferred prq span with sink frames below 16 bits is left to the reference runtime, by name;
+    prq spans shared by several classes, the turbo kinds and the Jensen correction (dense-and-sparse
+    keys too) run fast."""
     assert fast_path_problem(_toy_peer_recipes()["prq_keyframes"]) is None
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
     deferred_sink = toy_recipe(DEFERRED_PRQ, policy=TokenPolicy(sink_frames=1, sink_bits=4))
     assert "deferred spans (prq_deferred) and sink or key frames below 16 bits" in fast_path_problem(deferred_sink)
     assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None
-    sparse = toy_recipe(TensorSpec(bits=2, jensen=True, sparse_fraction=0.05), TensorSpec(bits=2))
-    assert "the Jensen correction on kind 'uniform' with dense-and-sparse values" in fast_path_problem(sparse)
+    assert fast_path_problem(toy_recipe(TensorSpec(bits=2, jensen=True, sparse_fraction=0.05), TensorSpec(bits=2))) is None
 
 
 def test_frames_of_another_shape_are_refused():
