@@ -4,9 +4,10 @@ autoregressive video world models.
 Public API for runtimes and notebooks:
 
 - `load_recipe(path, model=None)`: read and validate a recipe file (recipes/FORMAT.md);
-- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the packed runtime cache (reference);
-- `FastKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the same codes in preallocated buffers,
-  decoded blockwise (`fastcache.py`);
+- `FastKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the runtime: packed codes in
+  preallocated buffers, decoded blockwise, memory plans included (`fastcache.py`);
+- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the reference runtime, the same
+  codes frame by frame (the tests' oracle; it also runs the few recipes `fastcache.fast_path_problem` names);
 - `load_model(name)`: the built-in TinyWorld model with its shipped weights.
 """
 
