@@ -288,26 +288,29 @@ class FrameStore:
             yield from self.history(0, rope, names=["recall"])
 
     def _complete_span(self, span: int, post: set[int], n: int) -> None:
-        """A deferred span's last frame is in: fit each group's state on the tokens of the span's frames
-        held before this step's eviction (frame order, decoded from float16) and code those kept
-        (`post`) into the main pool."""
+        """A deferred span's last frame is in: per head, fit the state on the tokens (frame order,
+        decoded from float16) of the span's frames held before this step's eviction that the head
+        codes below 16 bits, with the parameters of the first one's class; then code the frames
+        kept (`post`) into their classes."""
         pending = self.pools["pending"]
         frames = sorted(f for f in pending.frame_slot if span_of(self.specs["k"], f) == span)
         raw = {kind: self._decode("pending", kind, self._index([pending.frame_slot[f] for f in frames]))
                for kind in "kv"}  # [B, H, F, T, D]
-        main = [j for j, f in enumerate(frames) if frame_class(self.policy, f, n) == "main"]  # others: 16 bits
+        classes = [frame_class(self.policy, f, n) for f in frames]
         for kind in "kv":
             B, H, F, T, D = raw[kind].shape
-            for g in self.groups["main"][kind] if main else ():
-                if g.bits < 16:
-                    x = raw[kind][:, g.heads][:, :, main].reshape(B, -1, len(main) * T, D)
-                    self.spans[kind].states[:, g.heads, self.spans[kind].slot_of(span)] = g.fit_span_state(x)
-                    self.spans[kind].fitted[span].update(g.heads)
+            for h in range(H):
+                coded = [j for j, c in enumerate(classes) if self.pools[c].widths[kind][h] < 16]
+                if coded:  # the group of h in the first coded frame's class, fitted on h's frames
+                    g = next(g for g in self.groups[classes[coded[0]]][kind] if h in g.heads)
+                    x = raw[kind][:, g.heads][:, :, coded].reshape(B, len(g.heads), len(coded) * T, D)
+                    spans = self.spans[kind]
+                    spans.states[:, h, spans.slot_of(span)] = g.fit_span_state(x)[:, g.heads.index(h)]
+                    spans.fitted[span].add(h)
         for j, f in enumerate(frames):
             pending.release(f)
             if f in post:
-                name = frame_class(self.policy, f, n)
-                self._write(name, self.pools[name].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
+                self._write(classes[j], self.pools[classes[j]].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
 
     def history(self, n: int, rope=None, exclude: int | None = None, names=None):
         """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but
@@ -356,9 +359,7 @@ class FrameStore:
             fs = [f for f in frames if f in pool.frame_slot]
             if fs:
                 k, v, _ = self._block(name, fs, rope)
-                ks.append(k)
-                vs.append(v)
-                order += fs
+                ks, vs, order = ks + [k], vs + [v], order + fs
         if not order:
             raise ValueError("no frames to read")
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
@@ -377,10 +378,8 @@ class FrameStore:
             return -jensen_bias(q_BHTD, torch.cat(steps, dim=2), self.k_rotation).to(q_BHTD.dtype)
         if self.var_HD is None:
             return None
-        cols = []
-        for f in frames:
-            name = next(p for p, pool in self.pools.items() if f in pool.frame_slot)
-            cols.append(self.corrected[name].to(q_BHTD.dtype))
+        pool_of = lambda f: next(name for name, pool in self.pools.items() if f in pool.frame_slot)
+        cols = [self.corrected[pool_of(f)].to(q_BHTD.dtype) for f in frames]
         corrected_HF = torch.stack(cols, dim=1) if cols else q_BHTD.new_zeros(H, 0)
         mask_HN = torch.cat([corrected_HF.repeat_interleave(T, dim=1), corrected_HF.new_zeros(H, T)], dim=1)
         c_BHT = logit_inflation(q_BHTD, self.var_HD, self.k_rotation)

@@ -37,9 +37,6 @@ def problem(spec: TensorSpec, D: int, policy: TokenPolicy) -> str | None:
         return f"the Jensen correction on kind '{spec.kind}'"
     if D % 8:
         return f"head_dim {D} is not a multiple of 8 (codes of a token are packed in blocks of 8)"
-    if spec.prq_deferred and any(count and bits < 16 for count, bits in ((policy.sink_frames, policy.sink_bits),
-                                                                         (policy.keyframe_interval, policy.keyframe_bits))):
-        return "kind 'prq' with deferred spans (prq_deferred) and sink or key frames below 16 bits"
     return None
 
 

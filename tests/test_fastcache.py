@@ -149,6 +149,8 @@ FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, pol
                                                            policy=TokenPolicy(sink_frames=1, sink_bits=3, recent_frames=2,
                                                                               recent_bits=4)),
                  "prq_deferred_sink16": lambda: toy_recipe(DEFERRED_PRQ, policy=TokenPolicy(sink_frames=1, sink_bits=16)),
+                 "prq_deferred_sink_key": lambda: toy_recipe(replace(DEFERRED_PRQ, head_bits=[2, 16]), DEFERRED_PRQ, TokenPolicy(
+                     sink_frames=1, sink_bits=3, keyframe_interval=4, keyframe_bits=4)),
                  # Quant VideoGen's own schedule: spans of 3 frames held in float16 until complete (a key head at 16 bits)
                  "prq_deferred": lambda: toy_recipe(DEFERRED_PRQ, replace(DEFERRED_PRQ, prq_centroids=2), TokenPolicy(sink_frames=0)),
                  "prq_deferred_head_bits": lambda: toy_recipe(replace(DEFERRED_PRQ, head_bits=[2, 16]), DEFERRED_PRQ,
@@ -363,13 +365,10 @@ def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
 
 
 def test_kinds_without_a_fast_path_are_named():
-    """A deferred prq span with sink frames below 16 bits is left to the reference runtime, by name;
-    prq spans shared by several classes, the turbo kinds and the Jensen correction (dense-and-sparse
-    keys too) run fast."""
+    """prq spans shared by several classes, the turbo kinds and the Jensen correction (dense-and-sparse
+    keys too) run fast; only a layer mixing a predictive and a per-frame kind is left to the reference."""
     assert fast_path_problem(_toy_peer_recipes()["prq_keyframes"]) is None
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
-    deferred_sink = toy_recipe(DEFERRED_PRQ, policy=TokenPolicy(sink_frames=1, sink_bits=4))
-    assert "deferred spans (prq_deferred) and sink or key frames below 16 bits" in fast_path_problem(deferred_sink)
     assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None
     assert fast_path_problem(toy_recipe(TensorSpec(bits=2, jensen=True, sparse_fraction=0.05), TensorSpec(bits=2))) is None
 
