@@ -4,8 +4,9 @@
 
 1. TinyWorld, batch 1, window 16 + 1 sink, a 64-frame orbit: ms per generated frame of the
    model's own float32 cache, the float16 recipe, the shipped (default, predictive) recipe and
-   per-frame baselines, fast and reference runtimes; runs interleaved, best of three; and where
-   the shipped recipe's fast path spends its time, step by step.
+   per-frame baselines, fast and reference runtimes, and the shipped recipe under a memory plan
+   (16 recall slots from a host tier of 64 frames, recall by pose); runs interleaved, best of
+   three; and where the shipped recipe's fast path spends its time, step by step.
 2. Wan-shaped attention (one layer, 12 heads x 128, 1560 tokens per frame, synthetic K/V that
    drift like video): one generated frame's attention over 8, 32 and 128 history frames, float16
    SDPA over a preallocated float16 ring vs the quantized caches: time, peak memory (torch's CPU
@@ -39,6 +40,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.predictive_fit import Moments, predictive_recipe
 from calibrate.cache import KVCache, Rope
 from calibrate.fastcache import FastKVCache
+from calibrate.fit.plan_search import with_plan
+from calibrate.plan import MemoryPlan
 from calibrate.io import write_text_atomic
 from calibrate.recipe import load_recipe
 from calibrate.runtime import QuantizedKVCache
@@ -47,6 +50,7 @@ from calibrate.types import ModelInfo
 
 MIB = 2**20
 SHIPPED = Path("recipes/tinyworld-ours-2bit.safetensors")
+PLAN_SLOTS = 16  # recall slots of the memory-plan rows (a host tier of 64 frames, recall by pose)
 
 
 def clock() -> tuple[float, float]:
@@ -70,12 +74,16 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
     fp16 = build_baseline("fp16", world.info)
     kind = shipped.scheme.layers[0].k.kind
     L = world.info.num_layers
+    plan = MemoryPlan(10**12, window=16, sink_frames=1, recall_slots=PLAN_SLOTS, host_frames=64)  # recall by pose
+    planned = with_plan(shipped, plan)
     caches = {
         "float32 cache (KVCache, the model's own)": lambda: KVCache(L, 16, 1),
         "fp16 recipe, fast": lambda: FastKVCache(fp16, 16, 1),
         "fp16 recipe, reference": lambda: QuantizedKVCache(fp16, 16, 1),
         f"shipped recipe ({kind}), fast": lambda: FastKVCache(shipped, 16, 1),
         f"shipped recipe ({kind}), reference": lambda: QuantizedKVCache(shipped, 16, 1),
+        f"shipped recipe + plan {plan.label()}, fast": lambda: FastKVCache(planned),
+        f"shipped recipe + plan {plan.label()}, reference": lambda: QuantizedKVCache(planned),
         **{f"{n}, {rt}": (lambda n=n, c=c: c(build_baseline(n, world.info), 16, 1))
            for n in ("naive2", "kivi2", "quarot2") for rt, c in (("fast", FastKVCache), ("reference", QuantizedKVCache))},
     }
