@@ -100,9 +100,9 @@ class ChainStore:
         self.modes = torch.zeros(B, self.M, G, -(-T // 8), dtype=torch.uint8, device=dev)
         self.anchor = torch.zeros(B, self.code.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
-        S = self.recall_slots
-        self.slots = {name: t.new_zeros(t.shape[0], S, *t.shape[2:]) for name, t in
-                      ((("anchor", self.anchor[:, None]),) if self.temporal else (("codes", self.codes), ("modes", self.modes)))}
+        S = self.recall_slots  # a memory plan's recall slots, frames in host form
+        held = {"anchor": self.anchor[:, None]} if self.temporal else {"codes": self.codes, "modes": self.modes}
+        self.slots = {name: t.new_zeros(B, S, *t.shape[2:]) for name, t in held.items()}
 
     def slot(self, f: int) -> int:
         return f if f < self.sink else self.sink + (f - self.sink) % self.Wm
@@ -230,7 +230,8 @@ class ChainStore:
             states = self.scan(chain_pre, tokens) if chain_pre else None
             v_e = None
             if pending is not None:
-                self.code.pack_anchor(self.code.expand(states[:, :, :, chain_pre.index(pending)]), self._evicted[1]["anchor"][..., tokens])
+                v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]
+                self.code.pack_anchor(v_out, self._evicted[1]["anchor"][..., tokens])
             if commit:
                 x = torch.cat((token_block(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)

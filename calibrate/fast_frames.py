@@ -12,9 +12,9 @@ package's k-means for every head of a group at once), they live in a slot (`fast
 kept frame of the span is held below 16 bits for that head, and decoding picks each frame's state.
 
 A deferred span (`prq_deferred`, Quant VideoGen's own schedule) holds its frames in a `pending`
-pool of float16 slots until its last frame is appended; then each group of heads fits the span's
-state on the tokens of its frames held before the step's eviction (frame order) and codes those kept
-into the main pool.
+pool of float16 slots until its last frame is appended; then each head fits the span's state on
+the tokens of the frames it codes below 16 bits among those held before the step's eviction (frame
+order), and the frames kept go to their classes' pools.
 
 Attention reads a pool as blocks of its live slots, every group decoded at once
 (`GroupCodec.decode`), heads put back in order; the key-noise logit correction applies to the
@@ -38,6 +38,7 @@ from calibrate.quant.headcodec import GroupCodec
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import TensorSpec
+
 
 class FrameStore:
     """One layer's K and V coded per frame (see the module docstring)."""
@@ -80,8 +81,7 @@ class FrameStore:
         self.write_block = self.T  # tokens of a frame coded at a time (`plan`)
         self.B: int | None = None
         self._index = IndexTensors(self.device)
-        # kind prq with stages: per kind, the span states [B, H, slots, stages, C, D] of the spans a
-        # kept frame below 16 bits uses (only main frames: `problem`), fitted on a span's first frame
+        # kind prq with stages: per kind, the states of the spans a kept frame below 16 bits uses
         self.spanned = [kind for kind in "kv" if span_of(self.specs[kind], 0) is not None]
         self.spans = {kind: SpanStates() for kind in self.spanned}
 
@@ -187,7 +187,8 @@ class FrameStore:
         state = None
         if self._spanned(name, kind):
             spans = self.spans[kind]
-            state = spans.states.index_select(2, self._index([spans.slot[span_of(self.specs[kind], f)] for f in frames]))
+            slots_of = self._index([spans.slot[span_of(self.specs[kind], f)] for f in frames])
+            state = spans.states.index_select(2, slots_of)  # [B, H, J, stages, C, D]
         return self._per_group(name, kind, slots, tokens,
                                lambda g, stored: g.decode(stored, self.T, None if state is None else state[:, g.heads]))
 

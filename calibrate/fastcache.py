@@ -370,7 +370,8 @@ class FastKVCache(KVCache):
             total += store.nbytes(n)
             if self._coords[layer] is not None:
                 c = self._coords[layer]
-                total += (len(kept_frames(n, self.window, self.sink_frames)) + slots) * c.shape[0] * c.shape[2] * c.element_size()
+                frames = len(kept_frames(n, self.window, self.sink_frames)) + slots
+                total += frames * c.shape[0] * c.shape[2] * c.element_size()
         return total
 
     def capacity_nbytes(self) -> int:
