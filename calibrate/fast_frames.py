@@ -65,8 +65,7 @@ class FrameStore:
         # a memory plan's host tier (tiers.py): evicted frames leave as their main slot's codes, and
         # the recall slots are a pool of main-width slots, filled by the tiers, not by `step`
         capacity["recall"] = recall_slots if capacity["main"] else 0
-        self.keep_evicted = keep_evicted
-        self._evicted: tuple[int, dict] | None = None
+        self.keep_evicted, self._evicted = keep_evicted, None  # _evicted: (frame, host form) of the last step
         self.pools: dict[str, Pool] = {}
         self.groups: dict[str, dict[str, list[GroupCodec]]] = {}
         for name in (*CLASSES, "pending", "recall"):
@@ -77,8 +76,7 @@ class FrameStore:
         # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
                                              device=self.device) for name, p in self.pools.items()}
-        self.frame_block, self.token_block = frame_block, self.T
-        self.write_block = self.T  # tokens of a frame coded at a time (`plan`)
+        self.frame_block, self.token_block, self.write_block = frame_block, self.T, self.T  # write: tokens coded at a time
         self.B: int | None = None
         self._index = IndexTensors(self.device)
         # kind prq with stages: per kind, the states of the spans a kept frame below 16 bits uses
@@ -247,8 +245,10 @@ class FrameStore:
                 pool.release(f)
         R, leaving = pol.recent_frames, index - pol.recent_frames
         if R and leaving >= 0 and leaving in post and leaving in self.pools["recent"].frame_slot:
-            slot = self._index([self.pools["recent"].frame_slot[leaving]])
-            x = {kind: self._decode("recent", kind, slot, frames=[leaving])[:, :, 0] for kind in "kv"}
+            slot = self.pools["recent"].frame_slot[leaving]
+            recent = self.pools["recent"].buffers  # float16 frames are coded from their copy, block by block
+            x = {kind: recent[kind][0]["fp16"][:, :, slot] if "fp16" in recent[kind][0] and len(recent[kind]) == 1
+                 else self._decode("recent", kind, self._index([slot]), frames=[leaving])[:, :, 0] for kind in "kv"}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
             self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
