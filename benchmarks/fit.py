@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -186,8 +187,9 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
     for name in ("ours", "ours_no_temporal", "ours_scalar", "kivi2", "kivi4"):
         if name in by:
             lines.append(f"| {name} | " + " | ".join(fmt(by[name]["by_family"].get(f)) for f in fams) + " |")
-    lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
-              "carries; the bytes grow):", "", "| tensor in float16 | 16-64 | 128-256 | flicker |", "|---|---|---|---|"]
+    if sources:
+        lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
+                  "carries; the bytes grow):", "", "| tensor in float16 | 16-64 | 128-256 | flicker |", "|---|---|---|---|"]
     for name, r in sources.items():
         lines.append(f"| {name} | {fmt(r['psnr'].get('16-64'))} | {fmt(r['psnr'].get('128-256'))} | {r['flicker']:.5f} |")
     lines += twin_lines(by, fams)
@@ -267,7 +269,7 @@ def main(argv=None) -> int:
     tgts.insert(1, {"target": "not flagged by the short-clip trap test", "met": not trap.get("ours"),
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
     times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
-    command = "python -m benchmarks.fit " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(["python", "-m", "benchmarks.fit", *(argv if argv is not None else sys.argv[1:])])
     md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg)
     out = Path(args.out)
     stem = "fit" if args.model == "tinyworld" else f"fit_{args.model}"
