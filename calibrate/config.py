@@ -288,9 +288,6 @@ def validate(cfg: Config) -> None:
         if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
             raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "
                              f"got {cfg.memory.device_budget}")
-    if cfg.memory.device_budget is not None and cfg.eval.runtime == "fast":
-        raise ValueError("config: eval.runtime=fast cannot run a memory plan (the reference runtime holds the tiers); "
-                         "use eval.runtime=auto with memory.device_budget")
     if cfg.task == "train_world" and cfg.model.name not in TRAINABLE:
         raise ValueError(f"config: task=train_world trains model=tinyworld or model=wanworld, not model={cfg.model.name}")
     if cfg.task in ("evaluate", "check") and not cfg.recipe:

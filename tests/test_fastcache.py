@@ -431,6 +431,8 @@ def test_eval_runtime_is_checked_by_the_config():
     assert to_config({"eval": {"runtime": "reference"}}).eval.runtime == "reference"
     with pytest.raises(ValueError, match="eval.runtime must be one of auto, fast, reference"):
         to_config({"eval": {"runtime": "turbo"}})
+    # the fast runtime runs memory plans: a plan search with eval.runtime=fast is a valid config
+    assert to_config({"eval": {"runtime": "fast"}, "memory": {"device_budget": "fp16"}}).eval.runtime == "fast"
 
 
 def test_the_shipped_recipe_stores_and_attends_like_the_reference():
