@@ -36,11 +36,11 @@ from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, KVCache, Rope, attention_logits, attention_output, kept_frames
 from calibrate.fast_chain import ChainStore, token_block
-from calibrate.memory import check_fitted_window, predicted_cache_bytes
+from calibrate.memory import check_fitted_window
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
 from calibrate.runtime import QuantizedKVCache
-from calibrate.tiers import Tiers, check_plan, predicted_device_bytes
+from calibrate.tiers import Tiers, device_window, predicted_bytes
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,7 @@ class FastKVCache(KVCache):
         problem = fast_path_problem(recipe)
         if problem is not None:
             raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
-        plan = recipe.scheme.policy.plan
-        if plan is not None:  # the recipe's memory plan decides what the device holds
-            check_plan(recipe)
-            window, sink_frames = plan.window, plan.sink_frames
+        window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)
         self.recipe = recipe
@@ -179,8 +176,8 @@ class FastKVCache(KVCache):
         self.key_block = None
         self.compute_dtype = compute_dtype  # attention matmuls (bfloat16 for a bf16 model on CUDA); None: the input's
         T = recipe.model.tokens_per_frame
-        self.tiers = Tiers(self.num_layers, plan, self.device, recipe.path or "") if plan and plan.host_frames else None
-        tiered = {"recall_slots": plan.recall_slots if self.tiers else 0, "keep_evicted": self.tiers is not None}
+        self.tiers = Tiers.of(recipe, self.device)
+        tiered = {"recall_slots": self.tiers.plan.recall_slots if self.tiers else 0, "keep_evicted": self.tiers is not None}
         self.stores = []
         self.coords_dims = []
         for i, pair in enumerate(recipe.scheme.layers):
@@ -384,10 +381,7 @@ class FastKVCache(KVCache):
         return self._rotary.nbytes()
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
-        if self.policy.plan is not None:
-            return predicted_device_bytes(self.recipe.model, self.recipe.scheme, self.policy.plan, num_appended, batch)
-        return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
-                                     self.sink_frames, batch)
+        return predicted_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window, self.sink_frames, batch)
 
     def expect(self, coords_BP: Tensor) -> None:
         if self.tiers is not None:

@@ -69,21 +69,18 @@ from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.chain import ChainCodec
 from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of, span_pending,
                              stored_nbytes, with_span_state)
-from calibrate.memory import KINDS, check_fitted_window, final_bits, predicted_cache_bytes
+from calibrate.memory import KINDS, check_fitted_window, final_bits
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
-from calibrate.tiers import SLOT_BASE, Tiers, check_plan, predicted_device_bytes, tree_map
+from calibrate.tiers import SLOT_BASE, Tiers, device_window, predicted_bytes, tree_map
 
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
 
 class QuantizedKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
-        plan = recipe.scheme.policy.plan
-        if plan is not None:  # the recipe's memory plan decides what the device holds
-            check_plan(recipe)
-            window, sink_frames = plan.window, plan.sink_frames
+        window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         super().__init__(recipe.model.num_layers, window, sink_frames)
         if recipe.scheme.policy.keyframe_interval < 0:
             raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
@@ -106,7 +103,7 @@ class QuantizedKVCache(KVCache):
         self._step_states: dict[int, dict[str, States]] = {}
         # per layer: (kind, head, span) -> the span's state (codec.fit_span_state)
         self._span_states: list[dict[tuple[str, int, int], Tensor]] = [{} for _ in range(recipe.model.num_layers)]
-        self.tiers = Tiers(self.num_layers, plan, self.device, recipe.path or "") if plan and plan.host_frames else None
+        self.tiers = Tiers.of(recipe, self.device)
         self._slots: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # recall slot -> its record
         self._slot_states: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # slot -> kind -> states
 
@@ -383,7 +380,4 @@ class QuantizedKVCache(KVCache):
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
         """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py;
         with a memory plan, its device tier: tiers.py)."""
-        if self.policy.plan is not None:
-            return predicted_device_bytes(self.recipe.model, self.recipe.scheme, self.policy.plan, num_appended, batch)
-        return predicted_cache_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window,
-                                     self.sink_frames, batch)
+        return predicted_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window, self.sink_frames, batch)

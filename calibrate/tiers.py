@@ -106,6 +106,15 @@ def predicted_device_bytes(model: ModelInfo, scheme: Scheme, plan: MemoryPlan, n
             + filled_slots(plan, num_appended) * slot_nbytes(model, scheme, batch))
 
 
+def predicted_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
+                    batch: int = 1) -> int:
+    """Bytes a cache of `scheme` holds on the device after `num_appended` appends: with a memory plan
+    its device tier (`predicted_device_bytes`), else `memory.predicted_cache_bytes` of this window."""
+    if scheme.policy.plan is not None:
+        return predicted_device_bytes(model, scheme, scheme.policy.plan, num_appended, batch)
+    return predicted_cache_bytes(model, scheme, num_appended, window, sink_frames, batch)
+
+
 def predicted_host_bytes(model: ModelInfo, scheme: Scheme, plan: MemoryPlan, num_appended: int,
                          batch: int = 1) -> int:
     return host_count(plan, num_appended) * host_frame_nbytes(model, scheme, plan, batch)
@@ -153,6 +162,16 @@ def check_plan(recipe: Recipe) -> None:
             if span_of(getattr(pair, kind), 0) is not None:
                 raise ValueError(f"{where}: scheme.layers[{i}].{kind}: kind 'prq' with span state is not supported "
                                  f"with a host tier (plan.host_frames={plan.host_frames})")
+
+
+def device_window(recipe: Recipe, window: int, sink_frames: int) -> tuple[int, int]:
+    """The window and sinks a cache of `recipe` keeps on the device: its memory plan's (refused by
+    `check_plan` when it cannot run as written), or without a plan the ones asked for."""
+    plan = recipe.scheme.policy.plan
+    if plan is None:
+        return window, sink_frames
+    check_plan(recipe)
+    return plan.window, plan.sink_frames
 
 
 # ---- the host tier -------------------------------------------------------------------------------
@@ -228,6 +247,13 @@ class Tiers:
     records, each tensor [B, ...] on the device: the runtime's own buffers or views of them);
     `recall` copies the selected rows into it and returns the slots it changed.
     """
+
+    @classmethod
+    def of(cls, recipe: Recipe, device: torch.device) -> "Tiers | None":
+        """The tiers of a cache of `recipe`: None without a host tier (no plan, or a plan of window,
+        sinks and budget alone)."""
+        plan = recipe.scheme.policy.plan
+        return cls(recipe.model.num_layers, plan, device, recipe.path or "") if plan and plan.host_frames else None
 
     def __init__(self, num_layers: int, plan: MemoryPlan, device: torch.device, where: str = ""):
         self.plan = plan
@@ -329,6 +355,6 @@ def nearest(poses_FB3: Tensor, query_B3: Tensor, yaw_radius: float, count: int) 
     return torch.sort(d_FB, dim=0, stable=True).indices[:count]
 
 
-__all__ = ["HostTier", "SLOT_BASE", "Tiers", "check_plan", "host_count", "host_frame_nbytes", "nearest",
-           "predicted_device_bytes", "predicted_host_bytes", "record_nbytes", "slot_nbytes", "steady_device_bytes",
+__all__ = ["HostTier", "SLOT_BASE", "Tiers", "check_plan", "device_window", "host_count", "host_frame_nbytes", "nearest",
+           "predicted_bytes", "predicted_device_bytes", "predicted_host_bytes", "record_nbytes", "slot_nbytes", "steady_device_bytes",
            "tree_leaves", "tree_map"]
