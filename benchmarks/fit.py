@@ -22,8 +22,9 @@ element, PSNR vs the fp rollout per window (mean and p95), flicker, revisit cons
 trap flag, the issues' targets met or not, where the remaining error comes from (per family and
 per tensor: ours with one layer's K or V in float16), each recipe against its noise twin
 (evaluate/twin.py: how much of its error is coherent), and the time per frame of each recipe's
-rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir,
-and finished evaluations to its `partial/` (a rerun picks up those of unchanged recipes).
+rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir
+and finished evaluations to its `partial/`: a rerun reuses the recipes fitted with the same config
+and the evaluations of unchanged recipes.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
 (`--ablations` and `--baselines` cut it to what the CPU time allows).
 """
@@ -50,7 +51,7 @@ from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.fastcache import build_cache
 from calibrate.io import write_text_atomic
-from calibrate.recipe import Recipe, TensorSpec, save_recipe
+from calibrate.recipe import Recipe, TensorSpec, load_recipe, save_recipe
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
 
@@ -154,7 +155,7 @@ def frame_times(world, recipes: dict[str, Recipe], device, window: int, sink_fra
     return out
 
 
-def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg) -> str:
+def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg, reused=()) -> str:
     def fmt(x, f=".2f"):
         return "-" if x is None else format(x, f)
 
@@ -164,7 +165,9 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {elapsed / 60:.1f} min on this 2-core CPU "
-        f"(torch threads: {torch.get_num_threads()}).  ",
+        f"(torch threads: {torch.get_num_threads()})"
+        + (f"; this run reused the fits of {', '.join(reused)} (and their evaluations) from an earlier run with the same "
+           "config.  " if reused else ".  "),
         f"Held-out evaluation seeds, {ntraj} trajectories (one per family), {frames} frames, window "
         f"{cfg.model.cache.window} + {cfg.model.cache.sink_frames} sink frame. "
         "PSNR vs the full-precision rollout, mean over trajectories (p95 toward the bad side in the last column).",
@@ -214,6 +217,21 @@ def twin_lines(by: dict, fams: list[str]) -> list[str]:
     return lines
 
 
+def fitted(cfg, model, device, recording, path: Path) -> tuple[Recipe, dict, bool]:
+    """The recipe `cfg` fits, from `path` when a recipe there was fitted with the same config (its
+    `calibration.config_hash`): a rerun after an interruption, or with more ablations, refits only
+    what is new. The hash covers the config, not the code: after a change to the fitter, use a new
+    --run-dir."""
+    if path.exists():
+        old = load_recipe(path)
+        if old.section("calibration").get("config_hash") == pipeline.config_hash(cfg):
+            print(f"{path.stem}: reusing {path} (fitted with the same config)", file=sys.stderr)
+            return old, old.section("fit"), True
+    recipe, record = calibration.fit(cfg, model, device, recording)
+    save_recipe(recipe, path)
+    return recipe, record, False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="artifacts/benchmarks")
@@ -239,13 +257,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir)
-    recipes, records = {}, {}
+    recipes, records, reused = {}, {}, []
     recording = calibration.calibration_recording(cfg, model, device)  # one replay serves every variant
     for name in args.ablations.split(","):
         fit_cfg = replace(cfg, fit=replace(cfg.fit, **ABLATIONS[name]))
-        recipe, record = calibration.fit(fit_cfg, model, device, recording)
-        save_recipe(recipe, run_dir / f"{name}.safetensors")
-        recipes[name], records[name] = recipe, record
+        recipes[name], records[name], again = fitted(fit_cfg, model, device, recording, run_dir / f"{name}.safetensors")
+        reused += [name] if again else []
     baselines = [b for b in args.baselines.split(",") if b]
     recipes.update(pipeline.resolve_schemes(cfg, baselines, model, device, pipeline.kv_sample(recording)))
     sources = {}
@@ -270,7 +287,7 @@ def main(argv=None) -> int:
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
     times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
     command = shlex.join(["python", "-m", "benchmarks.fit", *(argv if argv is not None else sys.argv[1:])])
-    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg)
+    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused)
     out = Path(args.out)
     stem = "fit" if args.model == "tinyworld" else f"fit_{args.model}"
     write_text_atomic(out / f"{stem}.md", md)
