@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from calibrate.codes import FP, FP_EPS, KINDS
+from calibrate.codes import FP, KINDS
 from calibrate.quant import codebook, ordered, packing, qvg
 from calibrate.scheme_spec import TensorSpec
 

@@ -153,10 +153,6 @@ class _RotaryMemo:
             self.memo[key] = (a.cos(), a.sin())
         return self.memo[key]
 
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() * 2 for c, _ in self.memo.values())
-
-
 class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
                  token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
@@ -375,10 +371,6 @@ class FastKVCache(KVCache):
         """Bytes of every buffer allocated (slots not in use at the moment included)."""
         return (sum(s.capacity_nbytes() for s in self.stores)
                 + sum(c.numel() * c.element_size() for c in self._coords if c is not None))
-
-    def workspace_nbytes(self) -> int:
-        """Bytes of the rotary memo (cos/sin of held frames, shared by all layers; not K/V)."""
-        return self._rotary.nbytes()
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
         return predicted_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window, self.sink_frames, batch)

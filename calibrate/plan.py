@@ -69,11 +69,6 @@ class MemoryPlan:
             raise ValueError(f"{where}.recall_slots: {self.recall_slots} slots recall from the host tier, "
                              f"which host_frames=0 leaves out")
 
-    @property
-    def device_frames(self) -> int:
-        """Frames the device tier holds at steady state: sinks, window and recall slots."""
-        return self.sink_frames + self.window + self.recall_slots
-
     def label(self) -> str:
         """Short name, e.g. 'w16+1s+8r' (window, sinks, recall slots)."""
         return f"w{self.window}+{self.sink_frames}s" + (f"+{self.recall_slots}r" if self.recall_slots else "")

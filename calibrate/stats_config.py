@@ -44,7 +44,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import Tensor
 
 KINDS = ("k", "v")
 CHANGE_KINDS = ("k", "kpre", "v")  # kinds whose frame-to-frame change is summarised
@@ -99,10 +98,6 @@ class KVStatsConfig:
     @property
     def bin_width(self) -> float:
         return (self.hist_range[1] - self.hist_range[0]) / self.num_bins
-
-    def bin_edges(self) -> Tensor:
-        """The NB + 1 bin edges (the first and last bins also hold out-of-range values)."""
-        return self.hist_range[0] + torch.arange(self.num_bins + 1, dtype=torch.float64) * self.bin_width
 
     def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor of a `KVStats` with this config."""

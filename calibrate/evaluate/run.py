@@ -46,7 +46,6 @@ from calibrate.world.trajectories import revisit_pairs
 
 log = logging.getLogger(__name__)
 
-SERIES = ("psnr_ref", "ssim_ref", "psnr_gt", "psnr_fp_gt", "err", "flicker")  # + "psnr_twin" with a twin
 PARTIAL_VERSION = "3"  # partial files without this version (or key) are recomputed
 
 

@@ -85,11 +85,3 @@ class OnlineSoftmax:
             s, v = self.single
             return (s.softmax(dim=-1).to(v.dtype) @ v).to(self.acc_dtype)
         return self.acc.div_(self.l)  # in place: the accumulator becomes the output
-
-
-def attend_blocks(q_BHTD: Tensor, blocks, query_chunk: int | None = None) -> Tensor:
-    """softmax(q.k / sqrt(D) + bias) @ v over the union of `blocks` ((k, v, bias or None) each)."""
-    acc = OnlineSoftmax(q_BHTD, query_chunk)
-    for k, v, bias in blocks:
-        acc.add(k, v, bias)
-    return acc.result()

@@ -86,7 +86,6 @@ def clip_forward(transformer, clean_BNCHW: Tensor, noisy_BMCHW: Tensor, targets:
     frame's cross-attention tokens.
     """
     B, N, C, H, W = clean_BNCHW.shape
-    M = len(targets)
     p = transformer.config.patch_size
     h, w = H // p[1], W // p[2]
     T = h * w

@@ -8,7 +8,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from calibrate.io import check_format, read_safetensors, safetensors_bytes, write_bytes_atomic
 from calibrate.world.model import TinyWorld, TinyWorldConfig
@@ -68,8 +67,3 @@ def load_weights(path: str | os.PathLike | None = None) -> TinyWorld:
     check_tensors(p, tensors, expected)
     model.load_state_dict(tensors)
     return model.eval()
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
