@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,14 @@ def test_an_unknown_recipe_name_is_one_line(tmp_path, capsys, monkeypatch):
     assert lines[-1].startswith("error: recipe 'tinyworld-ours': no such file here") and "tinyworld-ours-2bit" in lines[-1]
 
 
+def test_pyproject_lists_every_package():
+    """setuptools installs the packages pyproject.toml names, not the folders it finds: a new
+    subpackage left out of the list is missing from a regular install (calibrate.codes was)."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "calibrate").rglob("__init__.py")}
+    assert found - listed == set()
+
+
 def test_a_regular_install_resolves_shipped_names_from_another_directory(tmp_path):
     """`pip install .` (not editable) into a folder, then run from elsewhere: the bare name is the
     packaged recipe, TinyWorld's weights come from the package too."""
@@ -70,6 +79,10 @@ def test_a_regular_install_resolves_shipped_names_from_another_directory(tmp_pat
                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-2000:]
     assert (target / "calibrate" / "recipes" / "tinyworld-ours-2bit.safetensors").is_file()
+    # every package of the checkout is installed (an editable install of the checkout in this
+    # environment would otherwise serve a missing subpackage to the imports below)
+    assert {p.relative_to(src) for p in (src / "calibrate").rglob("__init__.py")} <= \
+        {p.relative_to(target) for p in (target / "calibrate").rglob("__init__.py")}
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
