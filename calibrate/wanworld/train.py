@@ -31,17 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from calibrate.adapters.wan_diffusers import WanAdapter, WanSettings, shifted_sigmas
 from calibrate.cache import KVCache
-from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.types import Trajectory
 from calibrate.wanworld import latents
 from calibrate.wanworld.camera import CameraConfig
@@ -50,6 +46,8 @@ from calibrate.wanworld.teacher import clip_forward
 from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.wanworld.weights import load_weights
 from calibrate.world.render import make_scene, render
+from calibrate.world.checkpoint import (checkpoint_metadata, load_checkpoint, optimizer_step, save_checkpoint,
+                                        self_forcing_share)
 from calibrate.world.train import lr_at
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
 
@@ -108,12 +106,6 @@ def batch(cfg: WanTrainConfig, step: int) -> dict:
     return out
 
 
-def self_forcing_share(step: int, cfg: WanTrainConfig) -> float:
-    if step < cfg.self_forcing_start:
-        return 0.0
-    return cfg.self_forcing_max * min(1.0, (step - cfg.self_forcing_start + 1) / max(1, cfg.self_forcing_ramp))
-
-
 def own_rollout(adapter: WanAdapter, b: dict, cfg: WanTrainConfig) -> torch.Tensor:
     """The clean frames with those of clips that start at frame 0 replaced by the model's own rollout."""
     clean = b["latents"].clone()
@@ -154,48 +146,16 @@ def train_step(model: WanWorld, opt, step: int, cfg: WanTrainConfig, adapter: Wa
     if adapter is not None and torch.rand((), generator=gen).item() < self_forcing_share(step, cfg):
         clean = own_rollout(adapter, b, cfg)
     model.train()
-    loss = loss_of(model, b, clean, cfg, step)
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss.item()
+    return optimizer_step(model, opt, loss_of(model, b, clean, cfg, step), lr_at(step, cfg))
 
 
-# ---- checkpoints (safetensors, atomic) ---------------------------------------------------------
-def save_checkpoint(path: Path, model: WanWorld, opt, step: int, losses: list, cfg: WanTrainConfig) -> None:
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    names = {p: n for n, p in model.named_parameters()}
-    opt_steps = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if state:
-                tensors[f"optim.{names[p]}.exp_avg"] = state["exp_avg"].contiguous()
-                tensors[f"optim.{names[p]}.exp_avg_sq"] = state["exp_avg_sq"].contiguous()
-                opt_steps[names[p]] = float(state["step"])
-    meta = {"format": CHECKPOINT_FORMAT, "step": str(step), "model_config": json.dumps(model.cfg.to_dict()),
-            "train_config": json.dumps(asdict(cfg)), "optim_steps": json.dumps(opt_steps), "losses": json.dumps(losses)}
-    write_bytes_atomic(path, safetensors_bytes(tensors, meta))
-
-
-def load_checkpoint(path: Path, model: WanWorld, opt) -> tuple[int, list]:
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
+def load_wan_checkpoint(path: Path, model: WanWorld, opt) -> tuple[int, list]:
+    meta = checkpoint_metadata(path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a WanWorld checkpoint (format {meta.get('format')!r})")
     if json.loads(meta["model_config"]) != json.loads(json.dumps(model.cfg.to_dict())):
         raise ValueError(f"{path}: checkpoint of another architecture than train_wan.model/camera ask for")
-    tensors = load_file(str(path))
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
-    opt_steps = json.loads(meta["optim_steps"])
-    for name, p in model.named_parameters():
-        if name in opt_steps:
-            opt.state[p] = {"step": torch.tensor(opt_steps[name]), "exp_avg": tensors[f"optim.{name}.exp_avg"],
-                            "exp_avg_sq": tensors[f"optim.{name}.exp_avg_sq"]}
-    return int(meta["step"]), json.loads(meta["losses"])
+    return load_checkpoint(path, model, opt)
 
 
 def train(cfg: WanTrainConfig, out_dir: Path, resume: bool = True) -> WanWorld:
@@ -209,7 +169,7 @@ def train(cfg: WanTrainConfig, out_dir: Path, resume: bool = True) -> WanWorld:
     ckpt = out_dir / "checkpoint.safetensors"
     start, losses = 0, []
     if resume and ckpt.exists():
-        start, losses = load_checkpoint(ckpt, model, opt)
+        start, losses = load_wan_checkpoint(ckpt, model, opt)
         log.info("resumed from %s at step %d", ckpt, start)
     elif cfg.init_weights:
         init, _ = load_weights(cfg.init_weights)
@@ -235,6 +195,6 @@ def train(cfg: WanTrainConfig, out_dir: Path, resume: bool = True) -> WanWorld:
             bar.set_postfix(loss=f"{loss:.5f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 loss_log.flush()
-                save_checkpoint(ckpt, model, opt, step + 1, losses, cfg)
+                save_checkpoint(ckpt, model, opt, step + 1, losses, cfg, CHECKPOINT_FORMAT)
     log.info("trained %d steps in %.0f s", cfg.steps - start, time.time() - t0)
     return model.eval()

@@ -13,7 +13,7 @@ Three facts from feasibility probes shape this loop:
 Every batch is rendered on the fly from fresh training-range seeds (a new scene per clip);
 the seeds of step s are a pure function of s, so a resumed run sees the same data.
 
-Checkpoints are safetensors (model, AdamW moments, step and loss log in the metadata) written
+Checkpoints (world/checkpoint.py: model, AdamW moments, step and loss log in one safetensors file) are written
 atomically every `checkpoint_every` steps; `train(..., resume=True)` continues from one.
 A new stage can also start from a weights file (`init_weights`) with a fresh optimizer and
 schedule: tensors the file lacks (a head added since it was trained) keep their initialization.
@@ -26,16 +26,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from calibrate.cache import KVCache
-from calibrate.io import safetensors_bytes, write_bytes_atomic
+from calibrate.world.checkpoint import load_checkpoint, optimizer_step, save_checkpoint, self_forcing_share
 from calibrate.world.model import TinyWorld, TinyWorldConfig
 from calibrate.world.render import make_scene, render
 from calibrate.world.rollout import rollout
@@ -44,18 +42,13 @@ from calibrate.world.trajectories import SEED_RANGES, make_trajectory
 from calibrate.world.weights import check_tensors, read_weights_file
 
 log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = "tinyworld-checkpoint"
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def self_forcing_share(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.self_forcing_start:
-        return 0.0
-    return cfg.self_forcing_max * min(1.0, (step - cfg.self_forcing_start + 1) / max(1, cfg.self_forcing_ramp))
 
 
 class ClipSource:
@@ -121,55 +114,7 @@ def train_step(model, opt, step: int, cfg: TrainConfig, source: ClipSource) -> f
         inputs = torch.cat([frames[:, :1], own[:, 1:]], dim=1)
         model.train()
     pred = model(inputs, poses, actions, cfg.window, cfg.sink_frames)
-    loss = frame_loss(pred, frames[:, 1:], cfg)
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss.item()
-
-
-# ---- checkpoints (safetensors, atomic) ------------------------------------------------------
-def save_checkpoint(path: Path, model, opt, step: int, losses: list, cfg: TrainConfig) -> None:
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    names = {p: n for n, p in model.named_parameters()}
-    opt_steps = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if state:
-                tensors[f"optim.{names[p]}.exp_avg"] = state["exp_avg"].contiguous()
-                tensors[f"optim.{names[p]}.exp_avg_sq"] = state["exp_avg_sq"].contiguous()
-                opt_steps[names[p]] = float(state["step"])
-    meta = {
-        "format": "tinyworld-checkpoint",
-        "step": str(step),
-        "model_config": json.dumps(model.cfg.to_dict()),
-        "train_config": json.dumps(asdict(cfg)),
-        "optim_steps": json.dumps(opt_steps),
-        "losses": json.dumps(losses),
-    }
-    write_bytes_atomic(path, safetensors_bytes(tensors, meta))
-
-
-def load_checkpoint(path: Path, model, opt) -> tuple[int, list]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-    tensors = load_file(str(path))
-    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
-    opt_steps = json.loads(meta["optim_steps"])
-    for name, p in model.named_parameters():
-        if name in opt_steps:
-            opt.state[p] = {
-                "step": torch.tensor(opt_steps[name]),
-                "exp_avg": tensors[f"optim.{name}.exp_avg"],
-                "exp_avg_sq": tensors[f"optim.{name}.exp_avg_sq"],
-            }
-    return int(meta["step"]), json.loads(meta["losses"])
+    return optimizer_step(model, opt, frame_loss(pred, frames[:, 1:], cfg), lr_at(step, cfg))
 
 
 def load_init_weights(model: TinyWorld, path: str | Path) -> list[str]:
@@ -217,7 +162,7 @@ def train(cfg: TrainConfig, out_dir: Path, resume: bool = True) -> TinyWorld:
             bar.set_postfix(loss=f"{loss:.5f}", sf=f"{self_forcing_share(step, cfg):.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 loss_log.flush()
-                save_checkpoint(ckpt, model, opt, step + 1, losses, cfg)
+                save_checkpoint(ckpt, model, opt, step + 1, losses, cfg, CHECKPOINT_FORMAT)
     log.info("trained %d steps in %.0f s", cfg.steps - start, time.time() - t0)
     model.eval()
     return model
