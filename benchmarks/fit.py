@@ -166,8 +166,8 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         f"Command: `{command}`  ",
         f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {elapsed / 60:.1f} min on this 2-core CPU "
         f"(torch threads: {torch.get_num_threads()})"
-        + (f"; this run reused the fits of {', '.join(reused)} (and their evaluations) from an earlier run with the same "
-           "config.  " if reused else ".  "),
+        + (f"; this run reused the fits of {', '.join(reused)} from an earlier run with the same config (and their "
+           "evaluations where that run had finished them).  " if reused else ".  "),
         f"Held-out evaluation seeds, {ntraj} trajectories (one per family), {frames} frames, window "
         f"{cfg.model.cache.window} + {cfg.model.cache.sink_frames} sink frame. "
         "PSNR vs the full-precision rollout, mean over trajectories (p95 toward the bad side in the last column).",

@@ -45,9 +45,9 @@ from calibrate.wanworld.model import ARCHITECTURE, LATENT_SIZE, WanWorld, WanWor
 from calibrate.wanworld.teacher import clip_forward
 from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.wanworld.weights import load_weights
-from calibrate.world.render import make_scene, render
 from calibrate.world.checkpoint import (checkpoint_metadata, load_checkpoint, optimizer_step, save_checkpoint,
                                         self_forcing_share)
+from calibrate.world.render import make_scene, render
 from calibrate.world.train import lr_at
 from calibrate.world.trajectories import SEED_RANGES, make_trajectory
 
