@@ -1,4 +1,4 @@
-"""Study: where the shipped recipe's coherent error comes from, and three encoder changes tried.
+"""Study: where the shipped recipe's coherent error comes from, and the encoder changes tried.
 
     python -m benchmarks.coherence_study [--frames 256] [--out artifacts/benchmarks]
     python -m benchmarks.coherence_study --model wanworld --frames 96 --variants shipped,subtractive
@@ -35,7 +35,11 @@ rollouts (evaluation seeds, one trajectory per family):
    - `reach x2`: the same levels and steps, one more anchor bit per coded component, so a state
      may go twice as far from the mean before the encoder clamps it (+1 bit in anchor frames only);
    - `intra x2`: intra levels twice as far apart, inter steps as fitted (this study lets intra
-     states beyond the anchors' range stand; a recipe would need wider anchors).
+     states beyond the anchors' range stand; a recipe would need wider anchors);
+   - `compand`: non-uniform inter levels on 2- and 3-bit components, s g(q) with g(q) = sign(q)
+     (q^2 + 1) / 2 for q = 2c - n (1, 5, 13, 25 steps: as fine near no change, a wider reach;
+     Lloyd-Max's shape for a peaky change, `vector_study.md`), the nearest within the anchor range;
+     the fitted steps, nothing refitted.
 
 Nothing here changes the package; it measures before the format would change.
 """
@@ -69,14 +73,15 @@ from calibrate.world.trajectories import make_trajectories
 VARIANTS = {"shipped": ("nearest", 0, 1.0), "stochastic": ("stochastic", 0, 1.0), "subtractive": ("subtractive", 0, 1.0),
             "adaptive 1": ("nearest", 1, 1.0), "adaptive 2": ("nearest", 2, 1.0), "adaptive 3": ("nearest", 3, 1.0),
             "unit x1.5": ("nearest", 0, 1.5), "unit x2": ("nearest", 0, 2.0),
-            "reach x2": ("nearest", 0, "reach"), "intra x2": ("nearest", 0, "intra")}  # (rounding, E, unit scale or what)
+            "reach x2": ("nearest", 0, "reach"), "intra x2": ("nearest", 0, "intra"),
+            "compand": ("nearest", 0, "compand")}  # (rounding, E, unit scale or what)
 
 
 class HeadCoder:
     """One head's predictive code with its chain state; `adapt` = E > 0 scales the inter steps."""
 
-    def __init__(self, p: P.PredictiveParams, rounding: str, adapt: int, generator: torch.Generator):
-        self.p, self.rounding, self.E, self.gen = p, rounding, adapt, generator
+    def __init__(self, p: P.PredictiveParams, rounding: str, adapt: int, generator: torch.Generator, compand: bool = False):
+        self.p, self.rounding, self.E, self.gen, self.compand = p, rounding, adapt, generator, compand
         f = 2**adapt  # a grid 2^E finer: e = 0 is the fitted step
         self.unit, self.intra, self.limit, self.n = p.unit_D / f, p.intra_step_D * f, p.limit_D * f, p.levels_D
         self.v = self.e = self.sign = None
@@ -105,6 +110,8 @@ class HeadCoder:
         c = self._round(((tau - self.v.float() - 2 * s * d) / s.float() + n) / 2)
         c = torch.minimum(torch.maximum(c, lo.float()), hi.float()).long()
         v_p = self.v + s * (2 * c - n)
+        if self.compand:
+            v_p = self._companded(tau, s, v_p)
         x_p = v_p + 2 * s * d
         w = self.unit**2
         inter = (((tau - x_p) ** 2 * w).sum(-1) <= ((tau - x_i) ** 2 * w).sum(-1)).unsqueeze(-1)
@@ -119,6 +126,19 @@ class HeadCoder:
         self.x = torch.where(inter, x_p, x_i)
         return self._values()
 
+    def _companded(self, tau: torch.Tensor, s: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+        """Inter levels s * g(q), g(q) = sign(q) (q^2 + 1) / 2 for q = 2c - n (1, 5, 13, 25: fine near
+        no change, a wide reach) on 2- and 3-bit components, the nearest one within the anchor range;
+        the linear levels elsewhere."""
+        n = self.n
+        q = 2 * torch.arange(8) - n.unsqueeze(-1)  # [D, 8] candidates c = 0..7
+        g = q.sign() * (q * q + 1) // 2
+        lev = self.v.unsqueeze(-1) + s.unsqueeze(-1) * g  # [B, T, D, 8] states
+        ok = (torch.arange(8) <= n.unsqueeze(-1)) & (lev.abs() <= self.limit.unsqueeze(-1))
+        dist = torch.where(ok, (tau.unsqueeze(-1) - lev).abs(), torch.inf)
+        best = torch.gather(lev, -1, dist.argmin(-1, keepdim=True)).squeeze(-1)
+        return torch.where((n == 3) | (n == 7), best, linear)
+
     def _values(self) -> torch.Tensor:
         return (self.unit * self.x.float()) @ self.p.rotation_DD.T + self.p.mean_D
 
@@ -132,11 +152,14 @@ class FakePredictiveCache(KVCache):
         gen = torch.Generator().manual_seed(seed)
         if unit_scale == "reach":  # the same levels and steps; states may go twice as far (one more anchor bit)
             scaled = lambda p: dataclasses.replace(p, anchor_bits_D=torch.where(p.bits_D > 0, p.anchor_bits_D + 1, 0))
+        elif unit_scale == "compand":
+            scaled = lambda p: p
         elif unit_scale == "intra":  # intra levels twice as far apart (states beyond the anchor range allowed)
             scaled = lambda p: dataclasses.replace(p, intra_step_D=p.intra_step_D * 2)
         else:  # every level and step, same bits
             scaled = lambda p: dataclasses.replace(p, unit_D=p.unit_D * unit_scale)
-        self.coders = [{kv: [HeadCoder(scaled(head_params(recipe.layer_tensors(layer, kv), h)), rounding, adapt, gen)
+        self.coders = [{kv: [HeadCoder(scaled(head_params(recipe.layer_tensors(layer, kv), h)), rounding, adapt, gen,
+                                       compand=unit_scale == "compand")
                              for h in range(recipe.model.num_kv_heads)] for kv in "kv"}
                        for layer in range(self.num_layers)]
         self.cov = None  # sums of e e^T of the stored error (keys pre-rotary), [B, L, 2, H, D, D] float64
@@ -249,7 +272,7 @@ def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: fl
 
 
 def markdown(decomp: list[dict], variants: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
-    lines = ["# Coherent error of the shipped recipe: where it lies, and three encoder changes tried", "",
+    lines = ["# Coherent error of the shipped recipe: where it lies, and the encoder changes tried", "",
              f"Command: `{command}`, {minutes:.1f} min on this 2-core CPU (torch threads {torch.get_num_threads()}, "
              "the other core busy). Held-out rollouts (evaluation seeds, one per family), "
              f"{frames} frames, `{recipe}`. The method is in the module docstring of "
