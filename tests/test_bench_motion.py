@@ -24,7 +24,7 @@ def test_a_half_shift_is_the_mean_of_its_two_whole_shifts():
                                                      + shifted(grid(), -1, 1)) / 4)
 
 
-def test_content_that_moves_one_slot_is_predicted_exactly_by_the_best_shift():
+def test_content_that_moves_one_slot_is_found_by_the_best_shift():
     torch.manual_seed(0)
     frames = [torch.randn(1, 2, 16, 3, dtype=torch.float64)]
     for _ in range(20):  # each frame: the last one moved one slot right, a new column entering
