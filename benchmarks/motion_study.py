@@ -161,7 +161,11 @@ def main(argv=None) -> int:
         print(f"error: --frames must be above {START + 1} (frames {START} on are measured)", file=sys.stderr)
         return 2
     t0 = time.time()
-    results = [measure(name, args.frames, args.trajectories) for name in args.models.split(",") if name]
+    try:
+        results = [measure(name, args.frames, args.trajectories) for name in args.models.split(",") if name]
+    except ValueError as e:  # an unknown model, missing weights or recipe
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     command = shlex.join(["python", "-m", "benchmarks.motion_study", *(argv if argv is not None else sys.argv[1:])])
     md = markdown(results, command, (time.time() - t0) / 60, args.frames, args.trajectories)
     out = Path(args.out)
