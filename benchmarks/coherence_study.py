@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks.kv_stats import FrameRecorder
 from calibrate import pipeline
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
@@ -199,22 +200,12 @@ class GaussianTwinCache(KVCache):
         return super().append(layer, self._noise(k_BHTD, root[:, 0]), self._noise(v_BHTD, root[:, 1]), key_rope)
 
 
-class _Recorder(KVCache):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.kv: dict[tuple[int, str], list[torch.Tensor]] = {}
-
-    def observe(self, seen) -> None:
-        self.kv.setdefault((seen.layer, "k"), []).append(seen.k_BHTD)
-        self.kv.setdefault((seen.layer, "v"), []).append(seen.v_BHTD)
-
-
 def where_the_error_lies(world, recipe, families: list[str], frames: int, window: int, sinks: int, device) -> list[dict]:
     rows = []
     for family in families:
-        rec = _Recorder(world.info.num_layers, window, sinks)
+        rec = FrameRecorder(world.info.num_layers, window, sinks)
         rollout_batch(world, make_trajectories([family], "evaluation", 1, frames), rec, device, keep_frames=False)
-        for (layer, kv), xs in sorted(rec.kv.items()):
+        for (layer, kv), xs in sorted(rec.frames.items()):
             x = torch.stack(xs, 2)[0]  # [H, F, T, D]
             tensors = recipe.layer_tensors(layer, kv)
             sig = err = eu = uu = 0.0

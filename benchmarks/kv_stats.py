@@ -128,6 +128,19 @@ class MomentCache(KVCache):
             self.v[seen.layer].update(seen.v_BHTD)
 
 
+class FrameRecorder(KVCache):
+    """The full-precision cache that also keeps every appended frame's pre-rotary K and V as the model
+    passed them, per (layer, "k" or "v"), oldest first (through `observe`: a rollout is unchanged)."""
+
+    def __init__(self, num_layers: int, window: int, sink_frames: int):
+        super().__init__(num_layers, window, sink_frames)
+        self.frames: dict[tuple[int, str], list[Tensor]] = {}
+
+    def observe(self, seen: Attended) -> None:
+        self.frames.setdefault((seen.layer, "k"), []).append(seen.k_BHTD)
+        self.frames.setdefault((seen.layer, "v"), []).append(seen.v_BHTD)
+
+
 def load_world(name: str, weights: str | None = None):
     from calibrate.config import ModelConfig
     from calibrate.pipeline import load_adapter

@@ -36,25 +36,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kv_stats import CPU, SINK, WINDOW, load_world
-from calibrate.cache import KVCache
+from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world
 from calibrate.io import write_text_atomic
 from calibrate.world.trajectories import make_trajectories
 
 FAMILIES = ("pan", "orbit", "dolly", "random_walk", "static")
 START = 16
-
-
-class FrameRecorder(KVCache):
-    """The full-precision cache that keeps every appended frame's pre-rotary K and V (observe only)."""
-
-    def __init__(self, num_layers: int, window: int, sink_frames: int):
-        super().__init__(num_layers, window, sink_frames)
-        self.frames: dict[tuple[int, str], list[torch.Tensor]] = {}
-
-    def observe(self, seen) -> None:
-        self.frames.setdefault((seen.layer, "k"), []).append(seen.k_BHTD.detach().double())
-        self.frames.setdefault((seen.layer, "v"), []).append(seen.v_BHTD.detach().double())
 
 
 def shifted(x_BHhwD: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
@@ -81,7 +68,7 @@ def moved(x_BHhwD: torch.Tensor, fy: float, fx: float) -> torch.Tensor:
 
 def residuals(seq: list[torch.Tensor], side: int, reach: int) -> dict[str, float]:
     """Residual energies of one layer's K or V over frames START..: [B, H, T, D] per frame."""
-    x = torch.stack(seq, 2)  # [B, H, F, T, D]
+    x = torch.stack(seq, 2).double()  # [B, H, F, T, D]
     B, H, F, T, D = x.shape
     mean = x[:, :, START:].mean(dim=(2, 3), keepdim=True)
     grid = x.reshape(B, H, F, side, side, D)

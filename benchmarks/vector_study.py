@@ -34,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kv_stats import CPU, SINK, WINDOW, load_world
-from benchmarks.motion_study import FrameRecorder
+from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world
 from calibrate.io import write_text_atomic
 from calibrate.pipeline import ours_recipe
 from calibrate.predictive_roles import head_params
@@ -49,7 +48,9 @@ MAX_BITS = 3  # widths studied: a 2-D codebook of 2^(2b) words (64 at 3 bits)
 
 
 def kmeans(x_ND: torch.Tensor, k: int, iters: int = 25) -> torch.Tensor:
-    """k centroids [k, D] of x by Lloyd's iterations from k-means++ (seeded: deterministic)."""
+    """k centroids [k, D] of x by Lloyd's iterations from k-means++ (seeded: deterministic). Not
+    quant/qvg.kmeans, Quant VideoGen's k-means as published (uniform start, float32): a bound on
+    what a codebook could win wants the better start."""
     gen = torch.Generator().manual_seed(0)
     cent = x_ND[torch.randint(len(x_ND), (1,), generator=gen)]
     for _ in range(1, k):
