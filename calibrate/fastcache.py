@@ -153,6 +153,7 @@ class _RotaryMemo:
             self.memo[key] = (a.cos(), a.sin())
         return self.memo[key]
 
+
 class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
                  token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
