@@ -12,7 +12,9 @@ at a time at the same budget:
     ours_uncoded_as_variance  (an addition, not an ablation) water-filling that prices an uncoded
                          component at its whole variance (fit/predictive.py)
     ours_no_mixed        no mixed precision (every head at the base width)
-    ours_no_closed_loop  the rollout-level selection off (closed_loop_scales=[1.0])
+    ours_closed_loop     (an addition: off by default) the rollout-level selection among inter-step
+                         scales (closed_loop_scales=[0.7, 1.0, 1.4, 2.0], the default until it
+                         lost 0.8 dB on WanWorld)
     ours_lambda0         no temporal term in the teacher-forced objective
     ours_scalar          the per-frame fitter of earlier releases (fit.code=scalar) at 2.5 bits
 
@@ -63,7 +65,7 @@ ABLATIONS = {
     "ours_uniform_bits": {"bit_allocation": "uniform"},
     "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance"},
     "ours_no_mixed": {"mixed_precision": False},
-    "ours_no_closed_loop": {"closed_loop_scales": [1.0]},
+    "ours_closed_loop": {"closed_loop_scales": [0.7, 1.0, 1.4, 2.0]},
     "ours_lambda0": {"lambda_temporal": 0.0},
     "ours_scalar": {"code": "scalar"},
 }

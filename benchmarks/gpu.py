@@ -14,7 +14,7 @@ tokens per latent frame, chunks of 3 latent frames = one cache frame of 4680 tok
    the rotary) on two chunks of the float rollout;
 3. the compiler itself on this model (`calibration.fit`, every fit setting at its default): a replay of
    `--calib-trajectories` trajectories of `--chunks` chunks, the bounded trace, the streaming
-   objective and the mixed-precision search on the GPU, the closed-loop selection; wall time and
+   objective and the mixed-precision search on the GPU (no closed-loop selection: off by default); wall time and
    peak `torch.cuda.max_memory_allocated` per phase, the trace's bytes, bits per element;
 4. rollouts of `--chunks` chunks (4 denoising passes + 1 clean pass each) with window `--window` +
    1 sink through: the float cache (`KVCache`), the float16 recipe, naive2, kivi2, the predictive
@@ -150,7 +150,7 @@ def calibrate_on_device(adapter, device, clock: Clock, chunks: int, window: int,
         logger.removeHandler(meter)
     return {"seconds": time.perf_counter() - t0, "phases": meter.phases, **sizes,
             "bits_per_element": record["bits_per_element"], "upgrades": len(record["upgrades"]),
-            "closed_loop": record["closed_loop"]["chosen"], "trajectories": trajectories, "chunks": chunks}, recipe
+            "closed_loop": record.get("closed_loop", {}).get("chosen", "off"), "trajectories": trajectories, "chunks": chunks}, recipe
 
 
 def equivalence(adapter, device, caches: dict) -> dict:
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{res['calibrate']['seconds']:.0f} s in all; trace {res['calibrate'].get('trace_gib', 0):.2f} GiB "
              f"({res['calibrate'].get('trace_slots', 0)} token slots per frame); "
              f"{res['calibrate']['bits_per_element']:.3f} bits/element; {res['calibrate']['upgrades']} upgrades; "
-             f"closed loop chose {res['calibrate']['closed_loop']}", "",
+             f"closed-loop selection: {res['calibrate']['closed_loop']}", "",
              "| phase | seconds | peak GiB |", "|---|---:|---:|",
              *[f"| {k} | {v['seconds']:.1f} | {v['peak_gib']:.2f} |" for k, v in res["calibrate"]["phases"].items()], "",
              "| cache | ms / chunk | peak GiB | KV GiB | KV bytes = predicted | rollout rel. RMSE vs float cache |",

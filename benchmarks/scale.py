@@ -124,7 +124,7 @@ def worker(overrides: list[str], out: Path) -> None:
                             .metadata["fit"])
     measured["upgrades"] = len(fit_record["upgrades"])
     measured["base_bits"], measured["bits_per_element"] = fit_record["base_bits"], fit_record["bits_per_element"]
-    measured["candidates"] = len(fit_record["closed_loop"]["scores"])
+    measured["candidates"] = len(fit_record.get("closed_loop", {}).get("scores", {})) or 1  # 1: no closed loop
     out.write_text(json.dumps(measured, indent=2))
 
 
@@ -267,6 +267,7 @@ def fit_per_pass(m: cm.Model, run: cm.Run, tp: cm.Throughput, measured: dict) ->
     rollouts = ("closed loop", "evaluation", "check set")
     flop_time = cm.seconds(m, run, replace(tp, per_pass_s=0.0))
     n = cm.passes(run)
+    rollouts = [p for p in rollouts if p in measured["phases"]]  # no closed loop by default
     spare = sum(measured["phases"][p]["seconds"] - flop_time[p] for p in rollouts)
     return max(spare / sum(n[p] for p in rollouts), 0.0)
 
@@ -279,22 +280,23 @@ def model_of(size: int, layers: int = LAYERS, param_bytes: int = 4, text_tokens:
 
 def run_of(frames: int, measured: dict) -> cm.Run:
     """The run each size made (module docstring), with its measured counts of upgrades and candidates."""
-    return cm.Run(frames=frames, window=WINDOW, sinks=SINKS, passes=2, calibration=1, closed_loop=1,
+    return cm.Run(frames=frames, window=WINDOW, sinks=SINKS, passes=2, calibration=1,
+                  closed_loop=int(measured["candidates"] > 1),
                   candidates=measured["candidates"], evaluation=1, check=1, batch=1, upgrades=measured["upgrades"])
 
 
 PHASES = ("replay", "fit", "closed loop", "evaluation", "check set")
 
 # Wan2.1-T2V-1.3B calibrated by default (Self-Forcing's setting: chunks of 3 latent frames, 4 denoising steps,
-# a window of 7 chunks + 1 sink), 7 calibration trajectories of 40 chunks (120 latent frames), the default closed
-# loop (3 x 96 frames = 32 chunks, 4 candidates), evaluation 7 x 40 chunks, check set 4 x 126 frames = 42 chunks,
+# a window of 7 chunks + 1 sink), 7 calibration trajectories of 40 chunks (120 latent frames), no closed loop
+# (off by default), evaluation 7 x 40 chunks, check set 4 x 126 frames = 42 chunks,
 # the default trace (4 trajectories x 48 frames, <= 512 slots, <= 8 GiB, bfloat16).
 WAN13 = cm.Model(layers=30, heads=12, head_dim=128, width=1536, ffn=8960, tokens=4680, text_tokens=512, param_bytes=2)
 
 
 def wan13_run(batch: int, gpus: int = 1) -> cm.Run:
-    return cm.Run(frames=40, window=7, sinks=1, passes=5, calibration=7, closed_loop=3, closed_loop_frames=32,
-                  candidates=4, evaluation=7, check=4, check_frames=42, batch=batch, trace_element=2)
+    return cm.Run(frames=40, window=7, sinks=1, passes=5, calibration=7, closed_loop=0, candidates=1,
+                  evaluation=7, check=4, check_frames=42, batch=batch, trace_element=2)
 
 
 # H100 SXM: bf16 dense 989 TFLOP/s, FP32 67 TFLOP/s peak. Assumed: 40% of bf16 peak for the model's GEMMs; the
@@ -312,7 +314,7 @@ def extrapolate(gpus: int = 1, batch: int = 4) -> dict:
     """Wan2.1-1.3B's default calibration by the cost model: bytes on the GPU and the host, hours.
 
     With several GPUs the replay shards trajectories (7 over `gpus`: ceil(7 / gpus) each) and the fit
-    layers; the closed loop, the evaluation and the check set run on the main process."""
+    layers; the evaluation and the check set run on the main process."""
     run = wan13_run(batch)
     t = cm.seconds(WAN13, run, H100)
     t["replay"] *= -(-run.calibration // gpus) / run.calibration
@@ -351,7 +353,8 @@ def markdown(results: dict) -> str:
              f"- cut for CPU time: 1 trajectory of {results['frames']} cache frames in every set (calibration, closed "
              f"loop, evaluation, check set), one denoising step (`model.wan.denoise_timesteps=[1000]`: 2 passes per "
              f"cache frame), window {WINDOW} + {SINKS} sink; every fit setting at its default "
-             "(trace <= 512 slots and <= 8 GiB, 3 x 3 step grid, mixed precision, closed loop)", "",
+             f"(trace <= 512 slots and <= 8 GiB, 3 x 3 step grid, mixed precision, "
+             f"{'closed loop: the default until 2026-12-03' if any(m['candidates'] > 1 for m in results['sizes'].values()) else 'no closed loop'})", "",
              "## Measured, per size", "",
              "| tokens / cache frame | wall | peak RSS | trace | objective calls (head passes) | s / call | "
              "coded head sequences | upgrades |",
@@ -368,6 +371,9 @@ def markdown(results: dict) -> str:
     for size, m in results["sizes"].items():
         cells = []
         for p in PHASES:
+            if p not in m["phases"]:
+                cells.append("-")
+                continue
             got, want = m["phases"][p]["seconds"], pred[size][p]
             worst[(size, p)] = (want - got) / got
             cells.append(f"{got:.1f} / {want:.1f} ({worst[(size, p)]:+.0%})")
@@ -379,18 +385,19 @@ def markdown(results: dict) -> str:
                   f"of a model pass ({pred['per_pass_s'] * 1e3:.0f} ms) fitted on the smallest size.", "",
               "## Peak RSS per phase", "", "| tokens | " + " | ".join(PHASES) + " |", "|---:|" + "---:|" * len(PHASES)]
     for size, m in results["sizes"].items():
-        lines.append(f"| {size} | " + " | ".join(f"{m['phases'][p]['peak_rss_mib']:.0f} MiB" for p in PHASES) + " |")
+        lines.append(f"| {size} | " + " | ".join(f"{m['phases'][p]['peak_rss_mib']:.0f} MiB" if p in m["phases"] else "-"
+                                                for p in PHASES) + " |")
     lines += ["", "## Wan2.1-1.3B by the cost model", "",
               "30 layers, 4680 tokens per cache frame (chunks of 3 latent frames at 480x832), 4 denoising steps + 1 "
               "clean pass, window 7 chunks + 1 sink (Self-Forcing's), the default calibration set (7 trajectories of "
-              "40 chunks = 120 latent frames), closed loop 3 x 32 chunks (4 candidates), evaluation 7 x 40 chunks, "
+              "40 chunks = 120 latent frames), no closed loop (off by default), evaluation 7 x 40 chunks, "
               "check set 4 x 42 chunks (126 frames), default fit settings (trace 4 trajectories x 40 frames in "
               "bfloat16), bfloat16 weights.", "", f"Throughput: {H100.note}.", ""]
     for gpus in (1, 8):
         e = extrapolate(gpus)
         g = e["gpu_bytes"]
         lines.append(f"- **{gpus} GPU{'s' if gpus > 1 else ''}** (batch {e['batch']}): {e['hours']:.2f} h "
-                     f"({', '.join(f'{k} {v / 60:.0f} min' for k, v in e['seconds'].items())}); GPU memory peak "
+                     f"({', '.join(f'{k} {v / 60:.0f} min' for k, v in e['seconds'].items() if v)}); GPU memory peak "
                      f"{max(g['replay'], g['fit']) / 2**30:.0f} GiB (replay {g['replay'] / 2**30:.1f}, fit "
                      f"{g['fit'] / 2**30:.1f}; trace {g['trace'] / 2**30:.1f} GiB = {e['slots'][2]} slots); host "
                      f"{sum(e['host_bytes'].values()) / 2**30:.1f} GiB")

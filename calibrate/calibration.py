@@ -140,12 +140,13 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         candidates = {"fitted": recipe}
         if record["upgrades"]:
             candidates["no_mixed_precision"] = base
-    with phase("closed loop"):
-        scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink, device,
-                                    cfg.trajectories.batch_size, cfg.eval.runtime)
-    chosen = choose(scores)
-    recipe = candidates[chosen]
-    record_choice(record, scores, chosen, recipe)
+    if len(candidates) > 1:  # nothing to choose: no rollouts
+        with phase("closed loop"):
+            scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink,
+                                        device, cfg.trajectories.batch_size, cfg.eval.runtime)
+        chosen = choose(scores)
+        recipe = candidates[chosen]
+        record_choice(record, scores, chosen, recipe)
     recipe.metadata.update(
         calibration=json.dumps({"config": asdict(cfg), "config_hash": config_hash(cfg),
                                 "trajectories": [[t.family, t.seed, t.num_frames] for t in trajs]}, sort_keys=True),

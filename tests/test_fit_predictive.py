@@ -58,10 +58,18 @@ def test_record_says_what_was_chosen_and_recipe_round_trips(fitted, model, tmp_p
     for layer in fit["layers"]:
         for kind in ("k", "v"):
             assert {"intra_mult", "inter_mult", "why", "scores"} <= set(layer[kind])
-    assert {"closed_loop", "upgrades", "base_bits", "head_bits"} <= set(fit)
+    assert {"upgrades", "base_bits", "head_bits"} <= set(fit)
+    assert "closed_loop" not in fit  # off by default: one candidate, nothing rolled out
+
+
+def test_closed_loop_when_asked_rolls_out_the_scales_that_fit_the_budget(model):
+    recipe, record = calibration.fit(tiny_fit_config(closed_loop_scales=[0.7, 1.0, 1.4, 2.0]), model, CPU)
+    scores = record["closed_loop"]["scores"]
     # candidates whose finer steps would widen the anchors past the budget are not rolled out
-    assert "fitted" in fit["closed_loop"]["scores"]
-    assert set(fit["closed_loop"]["scores"]) <= {"fitted", "inter_x0.7", "inter_x1.4", "inter_x2"}
+    assert "fitted" in scores and set(scores) <= {"fitted", "inter_x0.7", "inter_x1.4", "inter_x2"} and len(scores) > 1
+    assert record["closed_loop"]["chosen"] in scores and record["bits_per_element"] <= 2.5 + 1e-9
+    chosen = record["closed_loop"]["chosen"]
+    assert record.get("inter_scale", 1.0) == (1.0 if chosen == "fitted" else float(chosen[len("inter_x"):]))
 
 
 def test_same_config_and_seed_give_identical_bytes(fitted, model):

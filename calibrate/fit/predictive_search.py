@@ -17,9 +17,10 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
 3. **Mixed precision**: a greedy allocator adds `fit.bits_step` bits per component to one head of
    one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
    next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
-4. **Closed loop** (calibration.fit, select.py): the recipe with its inter steps scaled by each of
-   `fit.closed_loop_scales` rolls out on calibration trajectories, and the best one ships: the
-   rollout, not the teacher-forced objective, has the last word on how coarsely to predict.
+4. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
+   other than [1.0], the recipe with its inter steps scaled by each rolls out on calibration
+   trajectories and the best one ships. It did not earn its place: on held-out rollouts it
+   cost 0.8 dB late on WanWorld and gained 0.06 dB on TinyWorld (artifacts/benchmarks/fit*.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ mixed precision (every tensor at 2 bits) both roll out with the real runtime on 
 trajectories; the one with the higher mean PSNR vs the full-precision rollout is kept (PSNR
 rounded to 1e-3 dB, ties: lower flicker). The choice and its scores go into the fit record, and
 what the dropped recipe's record describes (upgrades, compensators, logit correction) is moved
-aside under `<key>_dropped`, so the record always describes the recipe that ships.
+aside under `<key>_dropped`, so the record always describes the recipe that ships. The
+predictive code's candidates are its recipe with the inter steps scaled (`fit.closed_loop_scales`,
+[1.0] by default: one candidate, so nothing rolls out and the record has no `closed_loop`).
 """
 
 from __future__ import annotations
