@@ -52,6 +52,20 @@ def strip_links(md: str, run_dir: Path) -> str:
                   lambda m: f"`{(run_dir / m.group(1)).as_posix()}` (a run output, not committed)", md)
 
 
+def partial_stamps(run_dir: Path) -> dict[str, int]:
+    """Each partial result file of an evaluation in `run_dir` (evaluate/run.py) and its mtime in ns."""
+    return {f.name: f.stat().st_mtime_ns for f in (run_dir / "partial").glob("*.safetensors")}
+
+
+def reused_schemes(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """Schemes whose partial files (`<scheme>.<batch>.safetensors`) all stayed as they were: reused."""
+    schemes: dict[str, bool] = {}
+    for name, stamp in after.items():
+        scheme = name.removesuffix(".safetensors").rsplit(".", 1)[0]
+        schemes[scheme] = schemes.get(scheme, True) and before.get(name) == stamp
+    return sorted(s for s, kept in schemes.items() if kept)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default="compare")
@@ -71,7 +85,7 @@ def main(argv=None) -> int:
         cfg = to_config(compose(config_name="config", overrides=overrides))
     run_dir = Path(args.run_dir or f"artifacts/runs/bench_{args.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, before = time.time(), partial_stamps(run_dir)
     try:
         pipeline.run_compare(cfg, run_dir)
     except ValueError as e:
@@ -86,8 +100,11 @@ def main(argv=None) -> int:
         shutil.copyfile(png, out / f"{args.name}_{png.name}")
         md = md.replace(f"]({png.name})", f"]({args.name}_{png.name})")
     md = strip_links(md, run_dir)
+    reused = reused_schemes(before, partial_stamps(run_dir))
+    note = (f"; this run reused the evaluations of {', '.join(reused)} from an earlier run in its run directory "
+            "(the same recipes and settings)" if reused else "")
     header = (f"Command: `{command}` (= `python -m calibrate {' '.join(overrides)}`), {minutes:.1f} min on this 2-core "
-              f"CPU, torch threads {torch.get_num_threads()}.\n\n`ours` is the shipped recipe "
+              f"CPU, torch threads {torch.get_num_threads()}{note}.\n\n`ours` is the shipped recipe "
               f"(`recipes/{args.model}-ours-2bit.safetensors`).\n\n")
     title, _, rest = md.partition("\n")
     # report.md names the command of the process that made it: this script's arguments, not a calibrate command
