@@ -115,6 +115,7 @@ class FitConfig:
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
     inter_mult_max: float = 1.4  # the same for the inter grid; 1.4, its top: it does not grow
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
+    anchor_sd: float = 4.0  # an anchor holds a state up to this many standard deviations of its component
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
     # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (README, Fitting)
     closed_loop_scales: list[float] = field(default_factory=lambda: [1.0])
@@ -161,6 +162,8 @@ class FitConfig:
                              f"codes alone need")
         positive("fit.lambda_temporal", self.lambda_temporal, allow_zero=True)
         positive("fit.closed_loop_frames", self.closed_loop_frames)
+        if not (math.isfinite(self.anchor_sd) and self.anchor_sd > 0):
+            raise ValueError(f"config: fit.anchor_sd must be a finite number > 0, got {self.anchor_sd}")
         positive("fit.sample_tokens", self.sample_tokens)
         positive("fit.trace_frames", self.trace_frames)
         positive("fit.trace_trajectories", self.trace_trajectories)

@@ -222,6 +222,19 @@ def test_fitted_head_is_consistent():
     assert bool((p.anchor_bits_D <= 16).all()) and bool((p.unit_D > 0).all())
 
 
+def test_twice_the_anchor_reach_costs_at_most_one_bit_and_holds_twice_the_deviations():
+    torch.manual_seed(3)
+    D = 16
+    A = torch.randn(D, D) * torch.logspace(0, -2, D)
+    cov = A @ A.T
+    near, far = (FP.fit_head(torch.zeros(D), cov, cov * 0.01, 2.0, clip_sd=sd) for sd in (4.0, 8.0))
+    assert torch.equal(near.unit_D, far.unit_D) and torch.equal(near.bits_D, far.bits_D)  # the same grid
+    sigma = torch.diagonal(near.rotation_DD.T @ cov @ near.rotation_DD).sqrt()
+    coded = near.bits_D > 0
+    assert bool((far.limit_D[coded] * far.unit_D[coded] >= 8.0 * sigma[coded] * (1 - 1e-6)).all())
+    assert bool(((far.anchor_bits_D - near.anchor_bits_D)[coded] <= 1).all()) and bool((far.anchor_bits_D >= near.anchor_bits_D).all())
+
+
 def field_golden_vectors():
     """Rows `| widths | values | packed hex |` of FORMAT.md's field golden vectors."""
     import re
