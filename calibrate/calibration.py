@@ -140,7 +140,7 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
         candidates = {"fitted": recipe}
         if record["upgrades"]:
             candidates["no_mixed_precision"] = base
-    if len(candidates) > 1:  # nothing to choose: no rollouts
+    if len(candidates) > 1:  # one candidate (the default): nothing to choose, no rollouts
         with phase("closed loop"):
             scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink,
                                         device, cfg.trajectories.batch_size, cfg.eval.runtime)

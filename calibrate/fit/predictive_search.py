@@ -95,7 +95,8 @@ class TensorFit:
             if (h, c) not in self._cache:
                 self._cache[(h, c)] = fit_head(
                     self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
-                    inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal, allocation=cfg.bit_allocation,
+                    inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
+                    allocation=cfg.bit_allocation,
                     rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
             out.append(self._cache[(h, c)])
         return out
