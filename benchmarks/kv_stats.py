@@ -37,7 +37,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -139,6 +139,29 @@ class FrameRecorder(KVCache):
     def observe(self, seen: Attended) -> None:
         self.frames.setdefault((seen.layer, "k"), []).append(seen.k_BHTD)
         self.frames.setdefault((seen.layer, "v"), []).append(seen.v_BHTD)
+
+
+def run_study(module: str, argv: Sequence[str] | None, models: str, frames: int, start: int, out: str,
+              measure: Callable[[str], dict], markdown: Callable[[list[dict], str, float], str]) -> int:
+    """The rest of a K/V study's main once its arguments are parsed: `--frames` must leave frames
+    after `start`; `measure` each of the comma-separated `models` (an unknown model, missing weights
+    or recipe: one line, exit 2); `markdown(results, command, minutes)` written with the results as
+    `<out>/<module>.md` and `.json`, atomically, and printed."""
+    if frames <= start + 1:
+        print(f"error: --frames must be above {start + 1} (frames {start} on are measured)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    try:
+        results = [measure(name) for name in models.split(",") if name]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = shlex.join(["python", "-m", f"benchmarks.{module}", *(argv if argv is not None else sys.argv[1:])])
+    md = markdown(results, command, (time.time() - t0) / 60)
+    write_text_atomic(Path(out) / f"{module}.md", md)
+    write_text_atomic(Path(out) / f"{module}.json", json.dumps(results, indent=1))
+    print(md)
+    return 0
 
 
 def load_world(name: str, weights: str | None = None):

@@ -26,18 +26,13 @@ so each gain is an upper bound for its code.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
 import sys
-import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world
-from calibrate.io import write_text_atomic
+from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world, run_study
 from calibrate.world.trajectories import make_trajectories
 
 FAMILIES = ("pan", "orbit", "dolly", "random_walk", "static")
@@ -144,22 +139,10 @@ def main(argv=None) -> int:
     p.add_argument("--trajectories", type=int, default=2)
     p.add_argument("--out", default="artifacts/benchmarks")
     args = p.parse_args(argv)
-    if args.frames <= START + 1:
-        print(f"error: --frames must be above {START + 1} (frames {START} on are measured)", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    try:
-        results = [measure(name, args.frames, args.trajectories) for name in args.models.split(",") if name]
-    except ValueError as e:  # an unknown model, missing weights or recipe
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = shlex.join(["python", "-m", "benchmarks.motion_study", *(argv if argv is not None else sys.argv[1:])])
-    md = markdown(results, command, (time.time() - t0) / 60, args.frames, args.trajectories)
-    out = Path(args.out)
-    write_text_atomic(out / "motion_study.md", md)
-    write_text_atomic(out / "motion_study.json", json.dumps(results, indent=1))
-    print(md)
-    return 0
+    return run_study("motion_study", argv, args.models, args.frames, START, args.out,
+                     lambda name: measure(name, args.frames, args.trajectories),
+                     lambda results, command, minutes: markdown(results, command, minutes, args.frames,
+                                                                args.trajectories))
 
 
 if __name__ == "__main__":

@@ -24,18 +24,13 @@ trajectories). A codebook costs 2^(2b) x 2 floats per pair and head in the recip
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
 import sys
-import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world
-from calibrate.io import write_text_atomic
+from benchmarks.kv_stats import CPU, SINK, WINDOW, FrameRecorder, load_world, run_study
 from calibrate.pipeline import ours_recipe
 from calibrate.predictive_roles import head_params
 from calibrate.recipe import load_recipe
@@ -160,22 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=48)
     p.add_argument("--out", default="artifacts/benchmarks")
     args = p.parse_args(argv)
-    if args.frames <= START + 1:
-        print(f"error: --frames must be above {START + 1} (frames {START} on are measured)", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    try:
-        results = [measure(name, args.frames) for name in args.models.split(",") if name]
-    except ValueError as e:  # an unknown model, missing weights or recipe
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = shlex.join(["python", "-m", "benchmarks.vector_study", *(argv if argv is not None else sys.argv[1:])])
-    md = markdown(results, command, (time.time() - t0) / 60, args.frames)
-    out = Path(args.out)
-    write_text_atomic(out / "vector_study.md", md)
-    write_text_atomic(out / "vector_study.json", json.dumps(results, indent=1))
-    print(md)
-    return 0
+    return run_study("vector_study", argv, args.models, args.frames, START, args.out,
+                     lambda name: measure(name, args.frames),
+                     lambda results, command, minutes: markdown(results, command, minutes, args.frames))
 
 
 if __name__ == "__main__":

@@ -35,3 +35,21 @@ def test_content_that_moves_one_slot_is_found_by_the_best_shift():
     r = residuals(frames, side=4, reach=1)
     assert r["moved"] == r["decisions"] == 2 * (21 - 16)
     assert r["best shift"] < 0.5 * r["same slot"]  # only the entering column is left
+
+
+def test_a_study_main_refuses_bad_input_in_one_line_and_writes_its_reports_atomically(tmp_path, capsys):
+    """benchmarks/kv_stats.run_study, the tail both K/V studies' mains share."""
+    from benchmarks.kv_stats import run_study
+
+    def unknown(name):
+        raise ValueError(f"config: unknown model '{name}'")
+
+    render = lambda results, command, minutes: f"# {command}: {[r['model'] for r in results]}\n"
+    assert run_study("motion_study", ["--models", "nosuch"], "nosuch", 64, 16, str(tmp_path), unknown, render) == 2
+    assert run_study("motion_study", [], "a", 17, 16, str(tmp_path), lambda n: {"model": n}, render) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: config: unknown model 'nosuch'", "error: --frames must be above 17 (frames 16 on are measured)"]
+    assert not list(tmp_path.iterdir())
+    assert run_study("vector_study", ["--frames", "18"], "a,b", 18, 16, str(tmp_path), lambda n: {"model": n}, render) == 0
+    assert (tmp_path / "vector_study.md").read_text() == "# python -m benchmarks.vector_study --frames 18: ['a', 'b']\n"
+    assert (tmp_path / "vector_study.json").read_text() == '[\n {\n  "model": "a"\n },\n {\n  "model": "b"\n }\n]'
