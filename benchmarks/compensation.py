@@ -46,7 +46,7 @@ from calibrate.io import write_text_atomic
 from calibrate.memory import memory_section
 from calibrate.recipe import save_recipe
 from calibrate.replay import rollout_batch
-from calibrate.runtime import QuantizedKVCache
+from calibrate.fastcache import FastKVCache
 
 LONG_FROM = 64  # windows starting here or later are "long"
 FLICKER_TOLERANCE = 0.01  # relative: "not worse" allows this much (noise of the mean)
@@ -66,7 +66,7 @@ def variants(comp_rank: int) -> dict[str, dict]:
 def cpu_ms_per_frame(model, recipe, trajs, window: int, sink: int, device) -> float:
     """process_time of one rollout of `trajs` (one batch), per generated frame, in ms."""
     cache = KVCache(model.info.num_layers, window, sink) if recipe is None else \
-        QuantizedKVCache.from_recipe(recipe, window, sink, device)
+        FastKVCache.from_recipe(recipe, window, sink, device)
     start = time.process_time()
     rollout_batch(model, trajs, cache, device)
     generated = len(trajs) * (trajs[0].num_frames - 1)

@@ -24,7 +24,7 @@ element, PSNR vs the fp rollout per window (mean and p95), flicker, revisit cons
 trap flag, the issues' targets met or not, where the remaining error comes from (per family and
 per tensor: ours with one layer's K or V in float16), each recipe against its noise twin
 (evaluate/twin.py: how much of its error is coherent), and the time per frame of each recipe's
-rollout through the runtime (`eval.runtime`; alone or shared, as stated). Recipes go to --run-dir
+rollout through the runtime (alone or shared, as stated). Recipes go to --run-dir
 and finished evaluations to its `partial/`: a rerun reuses the recipes fitted with the same config
 and the evaluations of unchanged recipes.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
@@ -51,7 +51,7 @@ from calibrate.adapters import as_world
 from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
-from calibrate.fastcache import build_cache
+from calibrate.fastcache import FastKVCache
 from calibrate.io import write_text_atomic
 from calibrate.recipe import Recipe, TensorSpec, load_recipe, save_recipe
 from calibrate.replay import rollout_batch
@@ -145,12 +145,12 @@ def errors_that_add_up(ours: dict) -> list[dict]:
 
 
 def frame_times(world, recipes: dict[str, Recipe], device, window: int, sink_frames: int, frames: int = 64) -> dict[str, float]:
-    """Milliseconds per generated frame of each recipe's runtime (`eval.runtime=auto`: the fast one
-    where the recipe has a fast path), one orbit trajectory, batch 1."""
+    """Milliseconds per generated frame of each recipe's runtime (`FastKVCache`), one orbit
+    trajectory, batch 1."""
     trajs = make_trajectories(["orbit"], "evaluation", 1, frames)
     out = {}
     for name, recipe in recipes.items():
-        cache = build_cache(recipe, window, sink_frames, device)
+        cache = FastKVCache.from_recipe(recipe, window, sink_frames, device)
         t0 = time.perf_counter()
         rollout_batch(world, trajs, cache, device, keep_frames=False)
         out[name] = 1000 * (time.perf_counter() - t0) / (frames - 1)

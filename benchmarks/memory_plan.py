@@ -2,12 +2,12 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.memory_plan [--num-trajectories 8] [--num-frames 512]
                                                        [--recipe recipes/tinyworld-ours-2bit.safetensors]
-                                                       [--runtime fast|reference] [--out artifacts/benchmarks]
+                                                       [--out artifacts/benchmarks]
 
 Writes ``memory_plan.json``, ``memory_plan.md`` and ``memory_plan.png`` into ``--out`` and prints
 the table. Every plan gets the device budget of the float16 cache of window 16 + 1 sink (the
-runtime refuses a plan over it) and rolls out, with the fast runtime (packed codes, the tiered
-cache of calibrate/tiers.py; `--runtime reference` for the reference runtime), on held-out ``long_revisit`` trajectories (evaluation seeds): the
+runtime refuses a plan over it) and rolls out, with the runtime (packed codes, the tiered
+cache of calibrate/tiers.py), on held-out ``long_revisit`` trajectories (evaluation seeds): the
 camera looks around, wanders away for 64-512 frames and comes back (snap or walk) to replay the
 look-around. Frames are split into *returns* (a return to a pose seen >= 64 frames earlier:
 ``revisit_pairs``) and *other* frames (in no revisit pair).
@@ -54,7 +54,7 @@ from calibrate.io import write_text_atomic
 from calibrate.memory import fp16_cache_bytes, steady_state_frames
 from calibrate.plan import MemoryPlan
 from calibrate.recipe import load_recipe
-from calibrate.fastcache import build_cache
+from calibrate.fastcache import FastKVCache
 from calibrate.schemes import build_baseline
 from calibrate.tiers import predicted_host_bytes, steady_device_bytes
 from calibrate.types import weights_fingerprint
@@ -92,9 +92,9 @@ PLANS = (
 )
 
 
-def run_plan(model, recipe, trajs, poses, actions, truth, teacher_forced: bool, runtime: str) -> tuple[torch.Tensor, dict]:
+def run_plan(model, recipe, trajs, poses, actions, truth, teacher_forced: bool) -> tuple[torch.Tensor, dict]:
     plan = recipe.scheme.policy.plan
-    cache = build_cache(recipe, plan.window, plan.sink_frames, "cpu", runtime)
+    cache = FastKVCache.from_recipe(recipe, plan.window, plan.sink_frames, "cpu")
     start = time.process_time()
     frames = rollout(model, cache, truth[:, 0], poses, actions, truth if teacher_forced else None)
     seconds = time.process_time() - start
@@ -140,7 +140,7 @@ def scores(frames, truth, trajs) -> dict:
     return out
 
 
-def benchmark(model, ours, num_trajectories: int, num_frames: int, runtime: str = "fast", log=print) -> dict:
+def benchmark(model, ours, num_trajectories: int, num_frames: int, log=print) -> dict:
     info = TinyWorldAdapter(model).info
     budget = fp16_cache_bytes(info, steady_state_frames(REF_WINDOW, REF_SINKS), REF_WINDOW, REF_SINKS)
     recipes = {"fp16": build_baseline("fp16", info), "ours": ours}
@@ -156,7 +156,7 @@ def benchmark(model, ours, num_trajectories: int, num_frames: int, runtime: str 
         row = {"scheme": spec.scheme, "window": spec.window, "sinks": REF_SINKS, "recall_slots": spec.recall_slots,
                "host_frames": plan.host_frames}
         for arm, tf in (("free", False), ("teacher_forced", True)):
-            frames, bytes_ = run_plan(model, recipe, trajs, poses, actions, truth, tf, runtime)
+            frames, bytes_ = run_plan(model, recipe, trajs, poses, actions, truth, tf)
             row[arm] = scores(frames, truth, trajs)
             row.setdefault("bytes", bytes_)
             row[f"{arm}_ms_per_frame"] = bytes_["ms_per_frame"]
@@ -225,7 +225,7 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Memory plans at equal device bytes", "",
         f"- date: {report['date']}; wall time {report['elapsed_s'] / 60:.1f} min on a shared 2-core CPU "
-        f"(load average at start {cfg['load_average']}), 1 torch thread; runtime: {cfg.get('runtime', 'reference')}",
+        f"(load average at start {cfg['load_average']}), 1 torch thread; runtime: {cfg.get('runtime', 'fast')}",
         f"- command: `{report['command']}`",
         f"- weights `{cfg['weights']}`, recipe `{cfg['recipe']}` ({cfg['recipe_bits']:.3f} bits/element)",
         f"- held-out trajectories: {cfg['num_trajectories']} x {cfg['num_frames']} frames of `long_revisit` "
@@ -287,7 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="artifacts/benchmarks")
     parser.add_argument("--num-trajectories", type=int, default=8)
     parser.add_argument("--num-frames", type=int, default=512)
-    parser.add_argument("--runtime", choices=("fast", "reference"), default="fast")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -296,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = Path(args.weights) if args.weights else default_weights_path()
         model = load_weights(weights)
         ours = load_recipe(args.recipe, TinyWorldAdapter(model).info)
-        body = benchmark(model, ours, args.num_trajectories, args.num_frames, args.runtime,
+        body = benchmark(model, ours, args.num_trajectories, args.num_frames,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -308,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {"weights": os.path.relpath(weights), "fingerprint": weights_fingerprint(model),
                    "recipe": args.recipe, "recipe_bits": json.loads(ours.metadata.get("memory", "{}")).get("bits_per_element", 0.0),
                    "num_trajectories": args.num_trajectories, "num_frames": args.num_frames,
-                   "seeds": [lo, lo + args.num_trajectories - 1], "load_average": load, "torch_threads": 1,
-                   "runtime": args.runtime},
+                   "seeds": [lo, lo + args.num_trajectories - 1], "load_average": load, "torch_threads": 1},
         "elapsed_s": time.perf_counter() - start,
         **body,
     }

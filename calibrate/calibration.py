@@ -143,7 +143,7 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     if len(candidates) > 1:  # one candidate (the default): nothing to choose, no rollouts
         with phase("closed loop"):
             scores = closed_loop_scores(as_world(model), candidates, closed_loop_trajectories(cfg), window, sink,
-                                        device, cfg.trajectories.batch_size, cfg.eval.runtime)
+                                        device, cfg.trajectories.batch_size)
         chosen = choose(scores)
         recipe = candidates[chosen]
         record_choice(record, scores, chosen, recipe)
@@ -236,8 +236,7 @@ def run_calibrate(cfg: Config, out_dir: Path) -> dict:
     with phase("check set"):
         check_rep = report_mod.build(
             evaluate(as_world(model), {cfg.quant.preset: recipe}, trajectory_set(check_cfg), cfg.model.cache.window,
-                     cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False,
-                     runtime=cfg.eval.runtime),
+                     cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False),
             [], {}, cfg.eval.psnr_threshold_db)
     t = check_cfg.trajectories
     metrics["check"] = {**summary_metrics(check_rep),

@@ -25,7 +25,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.adapters.wan_diffusers import WanSettings
 from calibrate.config_memory import CapacityConfig, MemoryConfig, parse_bytes, positive
-from calibrate.fastcache import RUNTIMES
 from calibrate.types import ALL_FAMILIES, FAMILIES
 from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.world.train_config import TrainConfig
@@ -193,11 +192,6 @@ class EvalConfig:
     strips: bool = True  # GIF strips of each scheme's worst trajectory and the players of report.html
     attention: bool = True  # per-layer attention KL / top-frame agreement (costs a second pass)
     noise_twin: bool = True  # roll out each scheme's noise twin too (evaluate/twin.py: one fp rollout more per scheme)
-    runtime: str = "auto"  # quantized caches: auto (fast runtime, else the reference with a log line) | fast | reference
-
-    def check(self) -> None:
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"config: eval.runtime must be one of {', '.join(RUNTIMES)}, got '{self.runtime}'")
 
 
 @dataclass
@@ -282,7 +276,6 @@ def validate(cfg: Config) -> None:
     if cfg.task != "capacity":
         check_chunking(cfg)
     cfg.fit.check()
-    cfg.eval.check()
     cfg.train.check()
     cfg.train_wan.check()
     cfg.memory.check()

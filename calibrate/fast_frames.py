@@ -370,7 +370,7 @@ class FrameStore:
         return pick(k), pick(v)
 
     def logit_bias(self, n: int, q_BHTD: Tensor, frames: list[int]) -> Tensor | None:
-        """As QuantizedKVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""
+        """As KVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""
         B, H, T, D = q_BHTD.shape
         if self.jensen:
             steps = [self._key_steps(name, self._index([pool.frame_slot[f]]))[:, :, 0]

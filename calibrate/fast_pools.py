@@ -5,8 +5,8 @@ A frame's K/V of one layer are held at the width of its class (memory.frame_clas
 per class: a set of slots a frame takes when it is coded and gives back when evicted. Each
 pool's capacity is the most frames of its class a cache with this window ever holds
 (`capacities`), so a steady-state step allocates nothing; kind prq with stages keeps a span
-state per span in use (`span_capacity`). `problem` and `pair_problem` name what the fast
-runtime does not run (the reference runtime does).
+state per span in use (`span_capacity`). `problem` and `pair_problem` name what the
+runtime does not run.
 """
 
 from __future__ import annotations

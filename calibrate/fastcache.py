@@ -1,7 +1,7 @@
-"""The fast runtime: a packed, quantized KV cache with preallocated buffers and blockwise attention.
+"""The runtime: a packed, quantized KV cache with preallocated buffers and blockwise attention.
 
-`FastKVCache.from_recipe(recipe)` runs the same recipe as the reference `runtime.QuantizedKVCache`
-(same token policy, same codes, same bytes) without its per-frame dicts and per-head loops:
+`FastKVCache.from_recipe(recipe)` (also `calibrate.QuantizedKVCache`) runs a recipe from the
+recipe alone, with no Python loop over heads or frames on a steady step:
 
 - per layer one store holds K and V in buffers allocated at the first frame: a predictive
   recipe in `fast_chain.ChainStore` (a ring of packed delta frames, one anchor, a float16 recent
@@ -18,17 +18,15 @@
   slot buffers (`slot_views`), and attention reads the slots after the window (`recalled`).
 
 What it computes is what `KVCache.attend` computes (tests hold the integer codes and states equal
-to the reference runtime's and the outputs within float rounding). Nothing observes it: shadowing
+to those of the tests' oracle, `tests/reference_runtime.py`, which codes frame by frame and head by
+head through codec.py, and the outputs within float rounding). Nothing observes it: shadowing
 and recording need the materialized history of `KVCache.attend`; `read`/`gather`/`logits` are
 there (materializing) for `shadow.ShadowCache` and tests.
 
-A recipe this runtime cannot run yet is refused by `fast_path_problem` with one line naming the
-kind; `build_cache(runtime="auto")` then falls back to the reference runtime with one log line.
+A recipe this runtime cannot run is refused by `fast_path_problem` with one line naming the kind.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -39,21 +37,20 @@ from calibrate.fast_chain import ChainStore, token_block
 from calibrate.memory import check_fitted_window
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe
-from calibrate.runtime import QuantizedKVCache
 from calibrate.tiers import Tiers, device_window, predicted_bytes
 
-log = logging.getLogger(__name__)
-
 MIN_WORKSPACE = 4 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
-RUNTIMES = ("auto", "fast", "reference")  # eval.runtime (config.EvalConfig)
 
 
 class FastPathError(ValueError):
-    """A recipe the fast runtime has no path for (the message names the kind)."""
+    """A recipe the runtime has no path for (the message names the kind)."""
 
 
 def fast_path_problem(recipe: Recipe) -> str | None:
-    """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None."""
+    """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None: a layer mixing
+    a predictive and a per-frame kind, predictive K and V with different `temporal`, the Jensen
+    correction on a kind without a uniform step, a head_dim that is not a multiple of 8. No
+    preset or fit writes these."""
     from calibrate import fast_pools
 
     D = recipe.model.head_dim
@@ -73,29 +70,6 @@ def fast_path_problem(recipe: Recipe) -> str | None:
             if problem:
                 return f"layer {i} {kind}: {problem}"
     return None
-
-
-def resolved_runtime(recipe: Recipe, runtime: str) -> str:
-    """The runtime `build_cache` runs for `recipe`: "fast" or "reference"."""
-    return "fast" if runtime != "reference" and fast_path_problem(recipe) is None else "reference"
-
-
-def build_cache(recipe: Recipe, window: int, sink_frames: int, device, runtime: str = "auto") -> KVCache:
-    """The cache evaluation runs: `fast` (error without a fast path), `reference`, or `auto`
-    (fast, else the reference with one log line naming the kind)."""
-    if runtime not in RUNTIMES:
-        raise ValueError(f"config: eval.runtime must be one of {', '.join(RUNTIMES)}, got '{runtime}'")
-    if runtime == "reference":
-        return QuantizedKVCache.from_recipe(recipe, window, sink_frames, device)
-    problem = fast_path_problem(recipe)
-    if problem is None:
-        return FastKVCache.from_recipe(recipe, window, sink_frames, device)
-    name = recipe.scheme.name
-    if runtime == "fast":
-        raise FastPathError(f"eval.runtime=fast: recipe '{name}' has no fast path ({problem}); "
-                            f"use eval.runtime=auto or reference")
-    log.info("recipe '%s': no fast path (%s); using the reference runtime", name, problem)
-    return QuantizedKVCache.from_recipe(recipe, window, sink_frames, device)
 
 
 class RotatedKeys:
@@ -160,7 +134,7 @@ class FastKVCache(KVCache):
                  compute_dtype: torch.dtype | None = None, compile: str | None = None):
         problem = fast_path_problem(recipe)
         if problem is not None:
-            raise FastPathError(f"recipe '{recipe.scheme.name}': no fast path ({problem})")
+            raise FastPathError(f"recipe '{recipe.scheme.name}': the runtime has no path for it ({problem})")
         window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)

@@ -66,7 +66,7 @@ def steady_state_frames(window: int, sink_frames: int) -> int:
 
 def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, window: int, sink_frames: int,
                           batch: int = 1) -> int:
-    """Bytes a `QuantizedKVCache` of this scheme holds after `num_appended` frames.
+    """Bytes the runtime (`FastKVCache`) holds for this scheme after `num_appended` frames.
 
     Per-frame codes go by the token policy (`final_bits`); a predictive tensor's frames by their
     role in the chain (`chain.frame_role`: recent, anchor or delta); keys stored before the

@@ -244,7 +244,7 @@ def evaluate_schemes(cfg: Config, out_dir: Path, recipes: dict[str, Recipe], mod
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), recipes, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
                     cfg.trajectories.batch_size, cfg.eval.attention, partial, keep_frames=cfg.eval.save_frames,
-                    on_rollout=sheets, runtime=cfg.eval.runtime, twin=cfg.eval.noise_twin)
+                    on_rollout=sheets, twin=cfg.eval.noise_twin)
     rep = report_mod.build(runs, [{"family": t.family, "seed": t.seed, "num_frames": t.num_frames} for t in trajs],
                            asdict(cfg), cfg.eval.psnr_threshold_db)
     return Evaluation(runs, rep, sheets)
@@ -371,8 +371,7 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
-                    cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets,
-                    runtime=cfg.eval.runtime)
+                    cfg.model.cache.sink_frames, device, cfg.trajectories.batch_size, attention=False, on_rollout=sheets)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
     result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))

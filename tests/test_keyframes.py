@@ -10,7 +10,7 @@ from calibrate.config import Config, FitConfig, validate
 from calibrate.fit.allocate import KEYFRAME_BITS, _policy_candidates
 from calibrate.memory import bits_per_element, fp16_cache_bytes
 from calibrate.recipe import Recipe, TensorSpec, TokenPolicy, uniform_scheme
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 
 from toys import B, INFO, frame_bits, kv_frames
 
@@ -20,7 +20,7 @@ def recipe_with(policy: TokenPolicy) -> Recipe:
                                        TensorSpec(bits=2, axis="channel"), policy), {})
 
 
-def stored_bits(cache: QuantizedKVCache, layer: int) -> dict[int, set[int]]:
+def stored_bits(cache: ReferenceCache, layer: int) -> dict[int, set[int]]:
     """Frame index -> widths its K and V heads are stored at (from the stored records)."""
     return {f: {frame_bits(h) for kind in ("k", "v") for h in cache._frames[layer][f][kind]}
             for f in cache.frame_indices(layer)}
@@ -28,7 +28,7 @@ def stored_bits(cache: QuantizedKVCache, layer: int) -> dict[int, set[int]]:
 
 @pytest.mark.parametrize("interval,bits", [(4, 8), (3, 4), (1, 8)])
 def test_key_frames_are_exactly_every_nth_frame(interval, bits):
-    cache = QuantizedKVCache.from_recipe(recipe_with(TokenPolicy(sink_frames=0, keyframe_interval=interval,
+    cache = ReferenceCache.from_recipe(recipe_with(TokenPolicy(sink_frames=0, keyframe_interval=interval,
                                                                  keyframe_bits=bits)), window=100, sink_frames=0)
     frames = kv_frames(13)
     for q, k, v, rope in frames:
@@ -43,7 +43,7 @@ def test_key_frames_are_exactly_every_nth_frame(interval, bits):
 
 def test_a_key_frame_in_the_recent_window_is_re_encoded_at_key_frame_bits():
     policy = TokenPolicy(sink_frames=0, recent_frames=2, keyframe_interval=5, keyframe_bits=8)
-    cache = QuantizedKVCache.from_recipe(recipe_with(policy), window=100, sink_frames=0)
+    cache = ReferenceCache.from_recipe(recipe_with(policy), window=100, sink_frames=0)
     history = []
     for n, (q, k, v, rope) in enumerate(kv_frames(12), start=1):
         for layer in range(INFO.num_layers):
@@ -55,7 +55,7 @@ def test_a_key_frame_in_the_recent_window_is_re_encoded_at_key_frame_bits():
 
 def test_negative_interval_is_refused_by_the_runtime():
     with pytest.raises(ValueError, match="keyframe_interval"):
-        QuantizedKVCache.from_recipe(recipe_with(TokenPolicy(keyframe_interval=-3)))
+        ReferenceCache.from_recipe(recipe_with(TokenPolicy(keyframe_interval=-3)))
 
 
 @pytest.mark.parametrize("intervals", [[0], [8, -2]])
@@ -72,7 +72,7 @@ def test_budget_counts_the_worst_phase_of_the_window():
     first phase alone would be below it at some frames."""
     recipe = recipe_with(TokenPolicy(sink_frames=0, keyframe_interval=5, keyframe_bits=8))
     budget = bits_per_element(recipe.model, recipe.scheme, 16, 1)
-    cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     measured = []
     for n, (q, k, v, rope) in enumerate(kv_frames(60), start=1):
         for layer in range(INFO.num_layers):

@@ -17,7 +17,7 @@ from calibrate.trace import plan_trace
 from calibrate.quant.logit_noise import key_noise_variance, logit_inflation
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, uniform_scheme, validate
 from calibrate.replay import Recorder, record, rollout_batch
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.schemes import build_baseline
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import make_trajectories
@@ -71,8 +71,8 @@ POLICY = TokenPolicy(sink_frames=1, sink_bits=8, recent_frames=2, recent_bits=16
 
 def test_runtime_subtracts_the_inflation_from_frames_at_the_heads_own_bits_only():
     var = torch.rand(H, D, generator=torch.Generator().manual_seed(1))
-    cache = QuantizedKVCache.from_recipe(corrected_recipe(POLICY, var), window=100, sink_frames=1)
-    plain = QuantizedKVCache.from_recipe(corrected_recipe(POLICY, None), window=100, sink_frames=1)
+    cache = ReferenceCache.from_recipe(corrected_recipe(POLICY, var), window=100, sink_frames=1)
+    plain = ReferenceCache.from_recipe(corrected_recipe(POLICY, None), window=100, sink_frames=1)
     for n, (q, k, v, rope) in enumerate(toy_frames(8), start=1):
         out = cache.attend(0, q, k, v, rope)
         plain.attend(0, q, k, v, rope)
@@ -104,7 +104,7 @@ def test_objective_models_the_runtime_correction_and_key_frames():
     var = torch.rand(H, D, generator=torch.Generator().manual_seed(2))
     recipe = corrected_recipe(policy, var, k_spec, rotation=R)
     window, sink, F = 4, 1, 9
-    cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     frames = toy_frames(F, seed=5)
     outs = [cache.attend(0, q, k, v, rope) for q, k, v, rope in frames]
     q = torch.stack([f[0] for f in frames], dim=2)
@@ -156,10 +156,10 @@ def shadow_rollout(model, recipes: dict[str, Recipe], free_rollouts: bool = Fals
     """Teacher-forced attention errors of each recipe on an fp rollout, and (if asked) each
     recipe's own free rollout."""
     trajs = make_trajectories(["orbit", "stress"], "evaluation", 2, 32)
-    shadows = {n: QuantizedKVCache.from_recipe(r, 16, 1) for n, r in recipes.items()}
+    shadows = {n: ReferenceCache.from_recipe(r, 16, 1) for n, r in recipes.items()}
     shadow = ShadowCache(as_world(model).info.num_layers, 16, 1, shadows)
     rollout_batch(as_world(model), trajs, shadow, torch.device("cpu"))
-    frames = {n: rollout_batch(as_world(model), trajs, QuantizedKVCache.from_recipe(r, 16, 1), torch.device("cpu"))[0]
+    frames = {n: rollout_batch(as_world(model), trajs, ReferenceCache.from_recipe(r, 16, 1), torch.device("cpu"))[0]
               for n, r in recipes.items()} if free_rollouts else {}
     return shadow.errors, frames
 

@@ -138,10 +138,10 @@ def test_new_kinds_measured_bytes_equal_predicted(window, sink):
     from toys import B, INFO, kv_frames
 
     from calibrate.cache import kept_frames
-    from calibrate.runtime import QuantizedKVCache
+    from reference_runtime import ReferenceCache
 
     for name, recipe in _toy_peer_recipes().items():
-        cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+        cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
         for n, (q, k, v, rope) in enumerate(kv_frames(10), start=1):
             for layer in range(INFO.num_layers):
                 assert torch.isfinite(cache.attend(layer, q, k, v, rope)).all()

@@ -9,7 +9,7 @@ from calibrate.codec import HeadParams, encode, key_steps
 from calibrate.quant.jensen import jensen_bias, jensen_bias_exact
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import RecipeError, TensorSpec, TokenPolicy
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 
 from toys import B, D, H, T, kv_frames, toy_recipe
 
@@ -91,7 +91,7 @@ def test_j4_runtime_reads_each_keys_steps_and_spares_exact_keys():
     # float16 sink (policy) and the fresh frame get 0
     recipe = toy_recipe(TensorSpec(bits=2, axis="channel", jensen=True), TensorSpec(bits=2),
                         TokenPolicy(sink_frames=1, sink_bits=16))
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     frames = kv_frames(4)
     for q, k, v, rope in frames[:3]:
         cache.attend(0, q, k, v, rope)
@@ -115,7 +115,7 @@ def test_j4_runtime_reads_each_keys_steps_and_spares_exact_keys():
 def test_jensen_lowers_the_quantized_historys_attention_mass():
     recipe = toy_recipe(TensorSpec(bits=2, axis="channel", jensen=True), TensorSpec(bits=2))
     plain = toy_recipe(TensorSpec(bits=2, axis="channel"), TensorSpec(bits=2))
-    caches = [QuantizedKVCache.from_recipe(r, window=4, sink_frames=0) for r in (recipe, plain)]
+    caches = [ReferenceCache.from_recipe(r, window=4, sink_frames=0) for r in (recipe, plain)]
     for q, k, v, rope in kv_frames(5):
         for c in caches:
             c.attend(0, q, k, v, rope)

@@ -15,7 +15,7 @@ from calibrate.codec import span_pending
 from calibrate.memory import held_bits
 from calibrate.quant import affine, qvg
 from calibrate.recipe import Recipe, RecipeError, TensorSpec, TokenPolicy, load_recipe, save_recipe, uniform_scheme, validate
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 
 SPAN, G = 3, 8
 DEFERRED = TensorSpec(bits=2, kind="prq", group_size=G, prq_stages=1, prq_centroids=2, prq_span_frames=SPAN, prq_deferred=True)
@@ -48,7 +48,7 @@ def test_span_pending_rule():
 
 
 def test_pending_frames_are_float16_then_the_span_is_coded_on_all_its_frames():
-    cache = QuantizedKVCache.from_recipe(_recipe(), window=8, sink_frames=0)
+    cache = ReferenceCache.from_recipe(_recipe(), window=8, sink_frames=0)
     frames = kv_frames(2 * SPAN)
     for n, (q, k, v, rope) in enumerate(frames, start=1):
         cache.attend(0, q, k, v, rope)
@@ -76,7 +76,7 @@ def test_measured_bytes_equal_predicted_at_every_step(window, sink, policy):
     """Pending frames at 16 bits, span states only of coded spans, a window shorter than a span
     (frames evicted before their span completes), float16 sinks and key frames in a span."""
     recipe = _recipe(replace(DEFERRED, head_bits=[2, 3]), policy)
-    cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     for n, (q, k, v, rope) in enumerate(kv_frames(11), start=1):
         for layer in range(INFO.num_layers):
             assert torch.isfinite(cache.attend(layer, q, k, v, rope)).all()
@@ -107,7 +107,7 @@ def test_the_numpy_reader_codes_a_deferred_span_bit_identically(tmp_path):
     save_recipe(_recipe(), path)
     meta, tensors = reader.read_recipe(path)
     spec = reader.spec_of(meta, 0, "v")
-    cache = QuantizedKVCache.from_recipe(load_recipe(path, model=INFO), window=8, sink_frames=0)
+    cache = ReferenceCache.from_recipe(load_recipe(path, model=INFO), window=8, sink_frames=0)
     frames = kv_frames(2 * SPAN + 1)
     for n, (q, k, v, rope) in enumerate(frames, start=1):
         cache.append(0, k, v, rope)

@@ -224,7 +224,7 @@ def test_logit_correction_matches_the_runtimes():
 
 def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
     """Every held frame of a predictive cache (deltas, anchors) decodes to the runtime's states."""
-    from calibrate.runtime import QuantizedKVCache
+    from reference_runtime import ReferenceCache
     from test_runtime_predictive import H, L, predictive_recipe, sequence
 
     recipe = predictive_recipe(recent=1)
@@ -233,7 +233,7 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
     meta, tensors = reader.read_recipe(path)
     assert meta["scheme"]["layers"][0]["k"]["rotary_coords"] == 2
     ks, vs, ropes = sequence(30)
-    cache = QuantizedKVCache.from_recipe(load_recipe(path), window=6, sink_frames=1)
+    cache = ReferenceCache.from_recipe(load_recipe(path), window=6, sink_frames=1)
     for f in range(30):
         for layer in range(L):
             cache.append(layer, ks[f], vs[f], ropes[f])
@@ -257,14 +257,14 @@ def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(t
     """FORMAT.md "Keys before the rotary encoding": the recent copy holds fp16 of the pre-rotary
     keys, and the frame leaving the window is coded from it (reference and fast runtime, reader)."""
     from calibrate.fastcache import FastKVCache
-    from calibrate.runtime import QuantizedKVCache
+    from reference_runtime import ReferenceCache
     from test_runtime_predictive import H, L, predictive_recipe, sequence
 
     path = tmp_path / "pred.safetensors"
     save_recipe(predictive_recipe(recent=1), path)
     meta, tensors = reader.read_recipe(path)
     ks, vs, ropes = sequence(3)
-    ref = QuantizedKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
+    ref = ReferenceCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
     fast = FastKVCache.from_recipe(load_recipe(path), window=4, sink_frames=1)
     v_prev = [None] * H
     for f in range(3):

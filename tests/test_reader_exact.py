@@ -4,7 +4,7 @@ Two kinds of evidence: FORMAT.md's arithmetic golden vectors, which both `calibr
 the numpy reader must reproduce, and recipes exercising every role of the per-frame kinds
 (uniform, codebook, prq, turbo, turbo_prod, nvfp4; widths 2/3/4/8/16 per head; sink, recent and key
 frames; rotations, centroids, outliers, sparse entries, compensators, clip roles, logit bias)
-run through `QuantizedKVCache` while the reader encodes the same frames on its own: every
+run through `ReferenceCache` while the reader encodes the same frames on its own: every
 stored byte and every decoded float must be equal. (Predictive tensors decode to exactly the
 runtime's integer states: tests/test_reader.py.)
 """
@@ -22,7 +22,7 @@ from calibrate.quant import codebook, ordered, packing, turbo
 from calibrate.quant.rotation import random_hadamard, random_orthogonal
 from calibrate.recipe import (ModelInfo, Recipe, TensorSpec, TokenPolicy, expected_shapes, load_recipe, save_recipe,
                               LayerSpec, Scheme)
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT_MD = ROOT / "recipes" / "FORMAT.md"
@@ -191,7 +191,7 @@ def test_golden_16_bit_heads(row):
     spec = TensorSpec(bits=16)
     policy = TokenPolicy(sink_frames=0, recent_frames=1, recent_bits=recent_bits)
     recipe = Recipe(info, Scheme("h16", [LayerSpec(k=spec, v=spec)], policy), {})
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=0)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=0)
     frame = torch.from_numpy(x.copy()).reshape(1, 1, 1, 4)
     cache.append(0, frame, frame, Rope(torch.zeros(1, 1, 2)))
     recent = cache._frames[0][0]["v"][0]
@@ -226,7 +226,7 @@ def test_golden_prq_kmeans(row):
     assert qvg.unpack_ids(stored["p_assign"][0, 0], C, T).tolist() == ids
 
 
-# ---- recipes exercising every role: the reader encodes alongside QuantizedKVCache ----------------
+# ---- recipes exercising every role: the reader encodes alongside ReferenceCache ----------------
 H, D, T, B = 3, 16, 4, 2
 INFO = ModelInfo(name="toy", num_layers=2, num_kv_heads=H, head_dim=D, tokens_per_frame=T, fingerprint="toy")
 
@@ -354,7 +354,7 @@ def test_reader_encodes_and_decodes_every_role_bit_identically(tmp_path, name):
     path = tmp_path / f"{name}.safetensors"
     save_recipe(RECIPES[name](), path)
     meta, tensors = reader.read_recipe(path)
-    cache = QuantizedKVCache.from_recipe(load_recipe(path, model=INFO), window=WINDOW, sink_frames=SINKS)
+    cache = ReferenceCache.from_recipe(load_recipe(path, model=INFO), window=WINDOW, sink_frames=SINKS)
     policy = meta["scheme"].get("policy", {})
     R = policy.get("recent_frames", 0)
     mirror = [{} for _ in range(INFO.num_layers)]  # layer -> frame -> kind -> [(bits, stored) per head]
@@ -410,7 +410,7 @@ def test_reader_encodes_and_decodes_every_role_bit_identically(tmp_path, name):
 def test_reader_logit_correction_agrees_with_the_runtime():
     """The key-noise correction is attention arithmetic (not pinned): equal to float32 rounding."""
     recipe = RECIPES["uniform_codebook"]()
-    cache = QuantizedKVCache.from_recipe(recipe, window=WINDOW, sink_frames=SINKS)
+    cache = ReferenceCache.from_recipe(recipe, window=WINDOW, sink_frames=SINKS)
     rope = Rope(torch.zeros(B, T, D // 2))
     for k, v in frames(1)[:9]:
         cache.append(0, k, v, rope)
@@ -494,7 +494,7 @@ def test_golden_window_of_one_frame(row, tmp_path):
     save_recipe(_golden_predictive_recipe(), path)
     meta, tensors = reader.read_recipe(path)
     rope = Rope(torch.zeros(1, 1, 1))
-    ref = QuantizedKVCache.from_recipe(load_recipe(path), window=window, sink_frames=0)
+    ref = ReferenceCache.from_recipe(load_recipe(path), window=window, sink_frames=0)
     fast = FastKVCache.from_recipe(load_recipe(path), window=window, sink_frames=0)
     for x in (x0, x1):
         for cache in (ref, fast):

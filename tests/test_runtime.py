@@ -1,5 +1,5 @@
 """The packed runtime against its reference: codec.encode/decode == codec.fake_quant, and the
-QuantizedKVCache's token policy, storage (no full-precision shadow) and byte accounting.
+ReferenceCache's token policy, storage (no full-precision shadow) and byte accounting.
 
 Toy sizes throughout (tests/toys.py): H = 2 heads, D = 16 channels, T = 4 tokens per frame, B = 2.
 """
@@ -11,7 +11,7 @@ from calibrate.cache import KVCache, kept_frames
 from calibrate.codec import decode, encode, fake_quant, frame_nbytes, head_params, stored_nbytes
 from calibrate.quant.packing import unpack
 from calibrate.recipe import RecipeError, TensorSpec, TokenPolicy, save_recipe
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 
 from toys import B, D, H, INFO, T, frame, frame_bits, kv_frames, toy_recipe
 
@@ -129,8 +129,8 @@ def test_codebook_rows_for_other_widths():
                        (torch.arange(16.0) * 2 - 15) / 15)  # correctly rounded, not float32 linspace
 
 
-# ---- QuantizedKVCache --------------------------------------------------------------------------------
-def decoded_frame(cache: QuantizedKVCache, layer: int, f: int):
+# ---- ReferenceCache --------------------------------------------------------------------------------
+def decoded_frame(cache: ReferenceCache, layer: int, f: int):
     """Decoded K, V [B, H, T, D] of kept frame f, via the public read()."""
     k, v = cache.read(layer)
     pos = cache.frame_indices(layer).index(f)
@@ -155,7 +155,7 @@ def expected_bits(f: int, n: int, head: int) -> int:
 def test_token_policy_classes_and_re_encoding():
     spec = TensorSpec(bits=2, head_bits=[2, 3], group_size=8)
     recipe = toy_recipe(spec, TensorSpec(bits=2, head_bits=[2, 3], axis="channel"), POLICY)
-    cache = QuantizedKVCache.from_recipe(recipe, window=100, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=100, sink_frames=1)
     frames = kv_frames(10)
     for n, (q, k, v, rope) in enumerate(frames, start=1):
         for layer in range(INFO.num_layers):
@@ -181,7 +181,7 @@ def test_token_policy_classes_and_re_encoding():
 
 def test_no_full_precision_copy_of_quantized_history():
     recipe = toy_recipe(*KIVI_LIKE, policy=TokenPolicy(sink_frames=0, recent_frames=3, recent_bits=16))
-    cache = QuantizedKVCache.from_recipe(recipe, window=8, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=8, sink_frames=1)
     for n, (q, k, v, rope) in enumerate(kv_frames(7), start=1):
         for layer in range(INFO.num_layers):
             cache.attend(layer, q, k, v, rope)
@@ -211,7 +211,7 @@ CACHE_RECIPES = {
 @pytest.mark.parametrize("window,sink", [(3, 1), (4, 0), (2, 2)])
 def test_measured_bytes_equal_predicted_and_eviction(name, window, sink):
     recipe = CACHE_RECIPES[name]()
-    cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     for n, (q, k, v, rope) in enumerate(kv_frames(9), start=1):
         for layer in range(INFO.num_layers):
             cache.attend(layer, q, k, v, rope)
@@ -222,7 +222,7 @@ def test_measured_bytes_equal_predicted_and_eviction(name, window, sink):
 
 def test_sixteen_bit_scheme_matches_the_fp_cache():
     recipe = CACHE_RECIPES["fp16"]()
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     ref = KVCache(INFO.num_layers, window=4, sink_frames=1)
     for q, k, v, rope in kv_frames(8):
         for layer in range(INFO.num_layers):
@@ -235,7 +235,7 @@ def test_sixteen_bit_scheme_matches_the_fp_cache():
 def test_newest_frame_attends_to_its_own_fresh_kv():
     # with only the first frame cached, the 2-bit cache's output is exactly full precision
     recipe = toy_recipe(TensorSpec(bits=2), policy=TokenPolicy(sink_frames=0))
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     ref = KVCache(INFO.num_layers, window=4, sink_frames=1)
     q, k, v, rope = kv_frames(1)[0]
     assert torch.equal(cache.attend(0, q, k, v, rope), ref.attend(0, q, k, v, rope))

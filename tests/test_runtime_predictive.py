@@ -10,7 +10,7 @@ from calibrate.chain import frame_role
 from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
 from calibrate.recipe import LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe, save_recipe
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.types import ModelInfo
 from toys import predictive_roles
 
@@ -70,7 +70,7 @@ def reference_frames(recipe, ks, vs, layer, kind, via_fp16=False):
 def test_runtime_equals_the_closed_loop_reference_and_bytes_match(window, sink, recent):
     recipe = predictive_recipe(recent=recent)
     ks, vs, ropes = sequence(40)
-    cache = QuantizedKVCache.from_recipe(recipe, window=window, sink_frames=sink)
+    cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     refs = {(l, kind): reference_frames(recipe, ks, vs, l, kind, recent > 0) for l in range(L) for kind in "kv"}
     for f in range(40):
         for layer in range(L):
@@ -101,7 +101,7 @@ def test_static_input_never_drifts_over_1024_frames():
     recipe = predictive_recipe(pre_rotary=False)
     x_k, x_v = torch.randn(1, H, T, D), torch.randn(1, H, T, D)
     rope = toy_rope(torch.zeros(1, 2))
-    cache = QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     errors = []
     for f in range(1024):
         cache.append(0, x_k, x_v, rope)
@@ -134,7 +134,7 @@ def test_recipe_round_trip_and_bad_roles(tmp_path):
 
 def test_pre_rotary_recipe_needs_rotary_coordinates():
     recipe = predictive_recipe()
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     plain = Rope(torch.zeros(1, T, D // 2))
     with pytest.raises(ValueError, match="rotary coordinates"):
         cache.append(0, torch.randn(1, H, T, D), torch.randn(1, H, T, D), plain)
@@ -143,7 +143,7 @@ def test_pre_rotary_recipe_needs_rotary_coordinates():
 def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
     recipe = predictive_recipe()
     ks, vs, ropes = sequence(12)
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=1)
     for f in range(12):
         q = torch.randn(2, H, T, D)
         out = cache.attend(0, q, ks[f], vs[f], ropes[f])
@@ -155,9 +155,9 @@ def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
 def test_a_predictive_recipe_refuses_another_window_than_it_was_fitted_for():
     recipe = predictive_recipe()
     recipe.metadata["memory"] = json.dumps({"window": 16, "sink_frames": 1})
-    QuantizedKVCache.from_recipe(recipe, window=16, sink_frames=1)
+    ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     with pytest.raises(ValueError, match="memory.window: its predictive codes were fitted for a window of 16"):
-        QuantizedKVCache.from_recipe(recipe, window=8, sink_frames=1)
+        ReferenceCache.from_recipe(recipe, window=8, sink_frames=1)
 
 
 @pytest.mark.parametrize("memory", [None, {}, {"window": 16}, {"sink_frames": 1}, {"bits_per_element": 2.5}])
@@ -172,12 +172,12 @@ def test_a_predictive_recipe_without_a_fitted_window_runs_under_any_window(memor
         recipe.metadata["memory"] = json.dumps(memory)
     ks, vs, ropes = sequence(6)
     for window, sink in ((1, 0), (2, 1), (16, 1), (40, 3)):
-        for make in (QuantizedKVCache.from_recipe, FastKVCache.from_recipe):
+        for make in (ReferenceCache.from_recipe, FastKVCache.from_recipe):
             cache = make(recipe, window=window, sink_frames=sink)
             for f in range(6):
                 cache.append(0, ks[f], vs[f], ropes[f])
             assert cache.frame_indices(0) == kept_frames(6, window, sink)
-            if isinstance(cache, QuantizedKVCache):
+            if isinstance(cache, ReferenceCache):
                 for kind in "kv":
                     limits = [head_params(recipe.layer_tensors(0, kind), h).limit_D for h in range(H)]
                     for states in cache._chain_states(0, kind).values():
@@ -187,7 +187,7 @@ def test_a_predictive_recipe_without_a_fitted_window_runs_under_any_window(memor
 def test_a_delta_frame_whose_reference_was_evicted_is_one_clear_error():
     recipe = predictive_recipe()
     ks, vs, ropes = sequence(8)
-    cache = QuantizedKVCache.from_recipe(recipe, window=4, sink_frames=0)
+    cache = ReferenceCache.from_recipe(recipe, window=4, sink_frames=0)
     for f in range(8):
         cache.append(0, ks[f], vs[f], ropes[f])
         cache.read(0)

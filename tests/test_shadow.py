@@ -7,7 +7,7 @@ import torch
 from calibrate.cache import KVCache, Rope
 from calibrate.evaluate.metrics import attention_kl, rel_err, top_agreement
 from calibrate.recipe import ModelInfo
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.schemes import build_baseline
 from calibrate.shadow import ShadowCache
 
@@ -16,9 +16,9 @@ INFO = ModelInfo("toy", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_fr
 
 def test_shadow_sums_match_reference_metrics():
     recipe = build_baseline("naive2", INFO)
-    shadow = ShadowCache(1, window=3, sink_frames=1, shadows={"naive2": QuantizedKVCache.from_recipe(recipe, 3, 1)})
+    shadow = ShadowCache(1, window=3, sink_frames=1, shadows={"naive2": ReferenceCache.from_recipe(recipe, 3, 1)})
     twin_fp = KVCache(1, 3, 1)
-    twin_q = QuantizedKVCache.from_recipe(recipe, 3, 1)
+    twin_q = ReferenceCache.from_recipe(recipe, 3, 1)
     g = torch.Generator().manual_seed(0)
     kl, top, err2, ref2, rows = 0.0, 0.0, 0.0, 0.0, 0
     for _ in range(6):

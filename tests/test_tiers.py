@@ -17,7 +17,7 @@ from calibrate.plan import MemoryPlan, pose_distance
 from calibrate.recipe import (LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe,
                               save_recipe, uniform_scheme)
 from calibrate.fastcache import FastKVCache
-from calibrate.runtime import QuantizedKVCache
+from reference_runtime import ReferenceCache
 from calibrate.tiers import SLOT_BASE, host_count, nearest, predicted_host_bytes, slot_nbytes, steady_device_bytes
 from calibrate.types import ModelInfo
 from toys import predictive_roles
@@ -25,7 +25,7 @@ from toys import predictive_roles
 L, H, T, D = 2, 2, 4, 16
 INFO = ModelInfo("toy", L, H, D, T, "f" * 16)
 REPO = Path(__file__).resolve().parents[1]
-RUNTIMES = {"reference": QuantizedKVCache, "fast": FastKVCache}
+RUNTIMES = {"reference": ReferenceCache, "fast": FastKVCache}
 
 
 def pose_rope(poses_B3):
@@ -126,7 +126,7 @@ def test_recall_places_the_nearest_host_frames_in_the_slots():
     poses = torch.stack([torch.stack([xs, torch.zeros(N), torch.zeros(N)], -1),
                          torch.stack([-xs, torch.zeros(N), torch.zeros(N)], -1)], dim=1)  # [N, 2, 3]
     recipe = with_plan(predictive_recipe(), window=2, sink_frames=0, recall_slots=2, host_frames=16)
-    cache = QuantizedKVCache.from_recipe(recipe)
+    cache = ReferenceCache.from_recipe(recipe)
     data = frames(poses)
     run(cache, data[:N - 1])
     cache.expect(torch.tensor([[2.2, 0.0, 0.0], [-5.9, 0.0, 0.0]]))
@@ -152,7 +152,7 @@ def test_without_expect_recall_uses_the_newest_key_pose():
     poses = torch.stack([torch.tensor([[float(f), 0.0, 0.0]]) for f in range(N)])  # [N, 1, 3]
     poses[N - 1] = torch.tensor([[1.0, 0.0, 0.0]])  # the frame being continued stands where frame 1 stood
     recipe = with_plan(predictive_recipe(), window=2, sink_frames=0, recall_slots=1, host_frames=16)
-    cache = QuantizedKVCache.from_recipe(recipe)
+    cache = ReferenceCache.from_recipe(recipe)
     run(cache, frames(poses))
     src = cache.tiers.host.frames[0][1]
     assert torch.equal(cache._frames[0][SLOT_BASE]["v"][1]["anchor"], src["v"][1]["anchor"])
@@ -170,7 +170,7 @@ def test_evicted_frames_keep_their_codes_bit_exact(make):
     poses[:, :, 0] = torch.arange(N, dtype=torch.float32)[:, None]
     recipe = make()
     sinks = recipe.scheme.policy.sink_frames
-    cache = QuantizedKVCache.from_recipe(with_plan(recipe, window=W, sink_frames=sinks, recall_slots=1,
+    cache = ReferenceCache.from_recipe(with_plan(recipe, window=W, sink_frames=sinks, recall_slots=1,
                                                    host_frames=32))
     data = frames(poses)
     last_seen = {}
@@ -273,7 +273,7 @@ def test_host_tier_changes_nothing_without_recall(runtime):
 def test_attend_reads_window_and_slots():
     N = 12
     poses = torch.cumsum(0.4 * torch.ones(N, 2, 3), dim=0)
-    cache = QuantizedKVCache.from_recipe(with_plan(predictive_recipe(), window=3, sink_frames=1, recall_slots=2,
+    cache = ReferenceCache.from_recipe(with_plan(predictive_recipe(), window=3, sink_frames=1, recall_slots=2,
                                                    host_frames=8))
     for f, (k, v, rope) in enumerate(frames(poses)):
         cache.expect(poses[0])
@@ -290,7 +290,7 @@ def test_attend_reads_window_and_slots():
 def host_states(cache, layer: int, frame: int) -> dict:
     """{kind: int64 states [B, H, T, D]} of a predictive host frame held as an anchor."""
     record = cache.tiers.host.frames[layer][frame]
-    if isinstance(cache, QuantizedKVCache):
+    if isinstance(cache, ReferenceCache):
         return {kind: torch.stack([c.states(head, None) for c, head in zip(cache._chains[(layer, kind)], record[kind])], 1)
                 for kind in "kv"}
     store = cache.stores[layer]
@@ -310,7 +310,7 @@ def test_the_fast_runtime_runs_a_plan_as_the_reference(make, reuse):
     g = torch.Generator().manual_seed(5)
     poses = torch.cumsum(0.3 * torch.randn(N, B, 3, generator=g), dim=0)
     recipe = with_plan(make(), window=4, sink_frames=1, recall_slots=3, host_frames=9, reuse=reuse)
-    ref, fast = QuantizedKVCache.from_recipe(recipe), FastKVCache.from_recipe(recipe)
+    ref, fast = ReferenceCache.from_recipe(recipe), FastKVCache.from_recipe(recipe)
     anchored = recipe.scheme.layers[0].k.kind == "predictive" and recipe.scheme.layers[0].k.temporal
     for f, (k, v, rope) in enumerate(frames(poses)):
         for cache in (ref, fast):
@@ -380,11 +380,11 @@ def test_a_plan_over_its_budget_is_refused_at_load(tmp_path):
     plan_recipe = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64)
     need = steady_device_bytes(recipe.model, plan_recipe.scheme, plan_recipe.scheme.policy.plan)
     ok = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64, device_budget_bytes=need)
-    QuantizedKVCache.from_recipe(ok)
+    ReferenceCache.from_recipe(ok)
     tight = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64, device_budget_bytes=need - 1)
     save_recipe(tight, tmp_path / "tight.safetensors")  # the format is fine; the budget is the runtime's check
     with pytest.raises(ValueError, match=f"needs {need} bytes .* above its device_budget_bytes={need - 1}"):
-        QuantizedKVCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
+        ReferenceCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
 
 
 @pytest.mark.parametrize("policy,spec,message", [
@@ -408,7 +408,7 @@ def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy
     module.loader.exec_module(reader)
     assert reader.plan_of(reader.read_recipe(tmp_path / "p.safetensors")[0])["host_frames"] == 8
     with pytest.raises(ValueError, match=re.escape(message)):
-        QuantizedKVCache.from_recipe(loaded)
+        ReferenceCache.from_recipe(loaded)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

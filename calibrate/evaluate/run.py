@@ -3,9 +3,7 @@
 For each batch of trajectories (equal length) the full-precision reference rollout runs once,
 through a `ShadowCache` that also feeds every scheme's quantized cache the same K/V (per-layer
 attention KL, most-attended-frame agreement, output error: teacher-forced). Then each scheme
-rolls out on its own through its packed runtime (`fastcache.build_cache`: the fast runtime, or the
-reference `QuantizedKVCache` as `eval.runtime` says), and the
-per-frame series are computed against the fp rollout and the ground truth. Memory is counted
+rolls out on its own through its packed runtime (`fastcache.FastKVCache`), and the per-frame series are computed against the fp rollout and the ground truth. Memory is counted
 from the runtime's tensors after every frame (the report takes the most). With `twin`, each
 scheme's stored error is measured teacher-forced in the same shadows and its noise twin
 (evaluate/twin.py) rolls out after it: series `psnr_twin`, and the stored SQNR per trajectory.
@@ -38,7 +36,7 @@ from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
-from calibrate.fastcache import build_cache, resolved_runtime
+from calibrate.fastcache import FastKVCache
 from calibrate.shadow import ShadowCache
 from calibrate.tiers import fp16_device_bytes
 from calibrate.types import ModelInfo, Trajectory
@@ -116,12 +114,11 @@ def setting_key(info: ModelInfo, trajs: list[Trajectory], window: int, sink_fram
                     "window": window, "sink_frames": sink_frames, "batch_size": batch_size, "device": device.type})
 
 
-def partial_key(setting: str, recipe: Recipe, attention: bool, runtime: str = "auto", twin: bool = False) -> str:
+def partial_key(setting: str, recipe: Recipe, attention: bool, twin: bool = False) -> str:
     """The key of a scheme's partial results: `setting_key`, the recipe's bytes, the metrics
-    computed (attention, noise twin), the runtime that runs it (fast and reference differ in float
-    rounding)."""
+    computed (attention, noise twin)."""
     return _digest({"setting": setting, "recipe": hashlib.sha256(to_bytes(recipe)).hexdigest(), "attention": attention,
-                    "runtime": runtime, "twin": twin})
+                    "twin": twin})
 
 
 def _save_partial(path, results: list[TrajResult], memory: dict, attention: dict, key: str, frames: bool) -> None:
@@ -191,13 +188,13 @@ def _reusable(partial_dir: Path | None, keys: dict[str, str], num_batches: int, 
 
 def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajectory], window: int, sink_frames: int,
              device: torch.device, batch_size: int = 8, attention: bool = True, partial_dir=None,
-             keep_frames: bool = False, on_rollout=None, runtime: str = "auto", twin: bool = False) -> dict[str, SchemeRun]:
+             keep_frames: bool = False, on_rollout=None, twin: bool = False) -> dict[str, SchemeRun]:
     """Evaluate every recipe on `trajs`; returns per-scheme results (see `report.build`).
 
     `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
     as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
     model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
-    `runtime` picks the quantized caches (`fastcache.RUNTIMES`). `twin` rolls out each scheme's
+    `twin` rolls out each scheme's
     noise twin too (not for a memory plan, whose held frames differ from the fp cache's). Each
     rollout shows its frames as a progress bar with an ETA.
     """
@@ -209,7 +206,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     keys = {}
     if partial_dir is not None:
         setting = setting_key(world.info, trajs, window, sink_frames, batch_size, device)
-        keys = {name: partial_key(setting, r, attention, resolved_runtime(r, runtime), twin and r.scheme.policy.plan is None)
+        keys = {name: partial_key(setting, r, attention, twin and r.scheme.policy.plan is None)
                 for name, r in recipes.items()}
     reuse = _reusable(partial_dir, keys, len(groups), on_rollout is not None, keep_frames)
     bar = tqdm(total=len(groups) * len(recipes), desc="evaluate", unit="run")
@@ -223,7 +220,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             has_truth = truth is not None
             # attention metrics compare with a float cache of the same frames: not for a memory plan,
             # whose device tier holds other frames (its own window, recalled slots)
-            shadows = {n: build_cache(recipes[n], window, sink_frames, device, runtime) for n in todo
+            shadows = {n: FastKVCache.from_recipe(recipes[n], window, sink_frames, device) for n in todo
                        if (attention or twin) and recipes[n].scheme.policy.plan is None}
             if (attention or twin) and len(shadows) < len(todo):
                 log.info("attention metrics and noise twin left out for %s: a memory plan's cache holds other frames "
@@ -238,7 +235,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
             if name not in todo:
                 results, memory, attn = _load_partial(path)
             else:
-                cache = build_cache(recipes[name], window, sink_frames, device, runtime)
+                cache = FastKVCache.from_recipe(recipes[name], window, sink_frames, device)
                 held = []  # the cache's bytes after each frame: their most is what it needs (deferred spans vary)
                 quant, _ = rollout_batch(world, group, cache, device, truth=truth, desc=f"{name}, {where}",
                                          on_frames=lambda: held.append(cache.nbytes()))

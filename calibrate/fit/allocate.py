@@ -12,8 +12,11 @@ exceed `fit.budget_bits`. Upgrades:
   their precision is worth more than that of old ones; priced over all layers at once);
 - key frames (`fit.keyframes`): every N-th frame (N from `fit.keyframe_intervals`) at 4 or 8
   bits, priced over all layers; their bytes are per-frame bytes like any other upgrade's (the
-  budget counts the worst phase of the sliding window, memory.bits_per_element). Why key
-  frames rather than a periodic high-precision rebuild: see runtime.py.
+  budget counts the worst phase of the sliding window, memory.bits_per_element). Key frames
+  rather than a periodic high-precision rebuild of the window: a rebuild re-forwards the window
+  (window/N extra frame forwards per generated frame), needs the runtime to keep the generated
+  frames and call the model, and its K/V are quantized again once stored; a key frame costs only
+  the bytes it upgrades, priced here against every other upgrade.
 
 Everything here is a value: an `Allocation` (the knobs of every tensor and the token policy) is
 frozen, an upgrade is frozen and knows its objective gain, `Allocation.apply` returns a new

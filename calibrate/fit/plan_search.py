@@ -38,7 +38,7 @@ from torch import Tensor
 from calibrate.adapters.base import WorldAdapter
 from calibrate.config import parse_bytes
 from calibrate.evaluate.metrics import psnr
-from calibrate.fastcache import build_cache
+from calibrate.fastcache import FastKVCache
 from calibrate.memory import check_fitted_window, fp16_cache_bytes, memory_section, steady_state_frames
 from calibrate.plan import MemoryPlan
 from calibrate.recipe import Recipe
@@ -128,7 +128,7 @@ def rollout_scores(world: WorldAdapter, recipe: Recipe, trajs: list[Trajectory],
     first = 0
     for group in batches(trajs, batch_size):
         g = torch.cat(truth[first:first + len(group)]).to(device)
-        cache = build_cache(recipe, recipe.scheme.policy.plan.window, recipe.scheme.policy.plan.sink_frames, device)
+        cache = FastKVCache.from_recipe(recipe, recipe.scheme.policy.plan.window, recipe.scheme.policy.plan.sink_frames, device)
         frames, _ = rollout_batch(world, group, cache, device, truth=g)
         for b, traj in enumerate(group):
             for key, values in frame_scores(frames[b], g[b], traj).items():

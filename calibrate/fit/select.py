@@ -27,10 +27,10 @@ DROPPED_WITH_BASE = ("upgrades", "compensators", "logit_correction")  # what the
 
 
 def closed_loop_scores(world: WorldAdapter, candidates: dict[str, Recipe], trajs: list[Trajectory], window: int,
-                       sink_frames: int, device: torch.device, batch_size: int, runtime: str = "auto") -> dict[str, dict]:
-    """Real quantized rollouts of each candidate (through `runtime`, as evaluation runs them):
+                       sink_frames: int, device: torch.device, batch_size: int) -> dict[str, dict]:
+    """Real quantized rollouts of each candidate (through the runtime, as evaluation runs them):
     mean psnr_ref and flicker over `trajs`."""
-    runs = evaluate(world, candidates, trajs, window, sink_frames, device, batch_size, attention=False, runtime=runtime)
+    runs = evaluate(world, candidates, trajs, window, sink_frames, device, batch_size, attention=False)
     out = {}
     for name, run in runs.items():
         out[name] = {

@@ -1,62 +1,24 @@
-"""The reference runtime: a packed, quantized KV cache built from a recipe alone.
+"""The tests' oracle: the reference runtime, a packed quantized KV cache built frame by frame.
 
-`QuantizedKVCache.from_recipe(recipe)` implements the `KVCache` seam. Each frame's K/V enter
-at the precision of their token class and stay there until evicted:
+`ReferenceCache.from_recipe(recipe)` implements the `KVCache` seam with per-frame dicts and
+per-head loops over `codec.py`'s encode/decode and one head's chain code (`ChainCodec` below),
+the plainest statement of the stored forms; the tests hold the runtime (`fastcache.FastKVCache`)
+to its integer codes and states, bytes and outputs. It is not part of the package: the runtime
+is `FastKVCache`. Each frame's K/V enter at the precision of their token class and stay there
+until evicted:
 
-- the newest `recent_frames` frames are held at `recent_bits` (float16 by default); a frame
-  leaving that window is re-encoded from its float16 copy at its final precision, and the
-  copy is dropped (no full-precision shadow of quantized history is kept);
-- the first `sink_frames` frames (attention sinks / anchors) at `sink_bits`;
-- every `keyframe_interval`-th frame at `keyframe_bits`;
-- all other frames as the layer's `TensorSpec` says (per head).
-
-The frame being generated attends to its own K/V in full precision (they were just computed);
-only what is *stored* for later frames is quantized, as in a real streaming runtime.
-
-Key frames, not a periodic rebuild. The alternative to designated key frames would be to
-rebuild the window's K/V at high precision every N frames from the generated frames: that is
-a re-forward of the whole window (window/N extra frame forwards per generated frame: at N = 16
-and a 16-frame window, twice the compute), the runtime would have to keep the generated frames
-and call the model (it only sees K/V through the cache seam), and the rebuilt K/V are still
-quantized once they are stored again unless the whole window is kept at high precision. The
-newest frames are already available at high precision for free through the float16 recent
-window (`recent_frames`). Key frames cost no compute, only the bytes of the frames they
-upgrade, which the byte prediction counts and the fitter prices against every other upgrade
-(fit/search.py).
-
-Key-noise logit correction (role `logit_bias` of K, quant/logit_noise.py): when the queries
-of a frame attend to the history, the logits of keys held at the spec's own bits (per head)
-get minus their expected noise inflation added; the fresh own frame and frames held at other
-widths (float16 recent frames, sink and key frames) are left as they are.
-
-Predictive tensors (`kind="predictive"`, chain.py) are coded against the previous frame's
-integer states: a frame joins the chain when it is stored (or when it leaves the recent
-window), and a held frame whose predecessor is evicted is re-stored as an anchor, exactly. The
-policy's sink and key-frame precisions do not apply to them (every frame is in the chain; the
-first one is intra-coded). Keys of a spec with `rotary_coords > 0` are stored before the model's
-rotary encoding, with their frame's rotary coordinates (float32 [B, P], counted in the bytes);
-reading them re-applies `Rope.at(coords)`.
-
-Span state (kind "prq", codec.span_of): the first frame of a span encoded below 16 bits fits
-the span's centroids, which the span's later frames are coded against; the cache holds them
-(per layer, K/V and head) while a kept frame of the span is held below 16 bits. A deferred span
-(`prq_deferred`, Quant VideoGen's own schedule) holds its frames in float16 until its last frame
-is appended, then fits the centroids on all of them and codes each (`_complete_span`).
-
-Jensen-bias correction (`jensen` on a layer's K spec, quant/jensen.py): the logits of every
-history key are lowered by sum_d (q R)_d^2 Delta_d^2 / (24 D), Delta the key's own grid steps
-read from its stored frame (0 for float16 frames and the fresh frame).
-
-Memory plan (`scheme.policy.plan`, plan.py): the plan's window and sinks replace the `window` and
-`sink_frames` arguments, its device budget is checked when the cache is built, and with a host
-tier the cache runs in tiers (tiers.py): frames leaving the window move to the host tier as
-self-contained codes, and each step recalls the host frames nearest the pose being generated
-into slots that attention reads with the window.
-
-`nbytes()` sums the bytes of every tensor the cache holds; `predicted_nbytes()` asks the memory
-model (memory.py) for the same from the recipe alone, and the two agree at steady state. This
-module imports only the seam, the recipe format, the codec and the memory model: a runtime can
-ship without the compiler.
+- the newest `recent_frames` frames at `recent_bits`; a frame leaving that window is re-encoded
+  from its float16 copy at its final precision;
+- the first `sink_frames` frames at `sink_bits`, every `keyframe_interval`-th at `keyframe_bits`,
+  all other frames as the layer's `TensorSpec` says (per head);
+- predictive tensors (chain.py) are coded against the previous frame's integer states; a held
+  frame whose predecessor is evicted is re-stored as an anchor, exactly; keys with
+  `rotary_coords > 0` are stored before the rotary encoding with their frame's coordinates;
+- span state (kind "prq"): the first frame of a span coded below 16 bits fits the centroids; a
+  deferred span holds its frames in float16 until its last frame is in (`_complete_span`);
+- the key-noise logit correction (`logit_bias`) and the Jensen-bias correction (`jensen`);
+- a memory plan's tiers (tiers.py): frames leaving the window go to the host tier as
+  self-contained codes, recalled into slots that attention reads with the window.
 """
 
 from __future__ import annotations
@@ -66,10 +28,11 @@ from torch import Tensor
 
 from calibrate import predictive_roles
 from calibrate.cache import KVCache, Rope, kept_frames
-from calibrate.chain import ChainCodec
 from calibrate.codec import (HeadParams, decode, encode, fit_span_state, head_params, key_steps, span_of, span_pending,
                              stored_nbytes, with_span_state)
 from calibrate.memory import KINDS, check_fitted_window, final_bits
+from calibrate.quant import predictive as P
+from calibrate.quant.fields import FieldLayout
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
@@ -78,7 +41,7 @@ from calibrate.tiers import SLOT_BASE, Tiers, device_window, predicted_bytes, tr
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
 
-class QuantizedKVCache(KVCache):
+class ReferenceCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
         window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         super().__init__(recipe.model.num_layers, window, sink_frames)
@@ -108,7 +71,7 @@ class QuantizedKVCache(KVCache):
         self._slot_states: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # slot -> kind -> states
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "QuantizedKVCache":
+    def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "ReferenceCache":
         return cls(recipe, window=window, sink_frames=sink_frames, device=device)
 
     # ---- precision of each frame -------------------------------------------------------------
@@ -381,3 +344,59 @@ class QuantizedKVCache(KVCache):
         """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py;
         with a memory plan, its device tier: tiers.py)."""
         return predicted_bytes(self.recipe.model, self.recipe.scheme, num_appended, self.window, self.sink_frames, batch)
+
+
+class ChainCodec:
+    """One head's predictive code and the packing of its stored forms (layouts computed once)."""
+
+    def __init__(self, params: P.PredictiveParams, temporal: bool = True):
+        self.params = params
+        self.temporal = temporal  # False: every token intra (the spec's `temporal`)
+        device = params.unit_D.device
+        self._codes = FieldLayout(params.bits_D, device)
+        self._anchors = FieldLayout(params.anchor_bits_D, device)
+        self._modes: dict[int, FieldLayout] = {}  # tokens per frame -> 1-bit layout
+
+    def _mode_layout(self, T: int) -> FieldLayout:
+        if T not in self._modes:
+            self._modes[T] = FieldLayout([1] * T, self.params.unit_D.device)
+        return self._modes[T]
+
+    def encode(self, x_BTD: Tensor, v_prev: Tensor | None) -> tuple[dict[str, Tensor], Tensor]:
+        """(stored delta frame, its states) of one frame; `v_prev` None = first frame of a chain."""
+        inter, codes, v = P.encode(x_BTD, self.params, v_prev if self.temporal else None)
+        stored = {"modes": self._mode_layout(inter.shape[-1]).pack(inter.to(torch.int64)), "codes": self._codes.pack(codes)}
+        return stored, v
+
+    def anchor(self, v_BTD: Tensor) -> dict[str, Tensor]:
+        return {"anchor": self._anchors.pack(P.anchor_fields(v_BTD, self.params))}
+
+    def states(self, stored: dict[str, Tensor], v_prev: Tensor | None) -> Tensor:
+        """The integer states of a delta or anchor frame."""
+        if "anchor" in stored:
+            return P.from_anchor_fields(self._anchors.unpack(stored["anchor"]), self.params)
+        inter = self._mode_layout(stored["codes"].shape[-2]).unpack(stored["modes"]).bool()
+        return P.apply_codes(inter, self._codes.unpack(stored["codes"]), v_prev, self.params)
+
+    def chain_states(self, frames: list[int], stored: list[dict[str, Tensor]]) -> list[Tensor]:
+        """States of held frames `frames` (ascending) from their stored forms: a frame decodes
+        from its predecessor's states when that is held, else it is an anchor or all-intra. The
+        delta frames are unpacked in one batch."""
+        deltas = [i for i, s in enumerate(stored) if "anchor" not in s]
+        unpacked = {}
+        if deltas:
+            T = stored[deltas[0]]["codes"].shape[-2]
+            modes = self._mode_layout(T).unpack(torch.stack([stored[i]["modes"] for i in deltas])).bool()
+            codes = self._codes.unpack(torch.stack([stored[i]["codes"] for i in deltas]))
+            unpacked = {i: (modes[j], codes[j]) for j, i in enumerate(deltas)}
+        out: list[Tensor] = []
+        for i, f in enumerate(frames):
+            if i not in unpacked:
+                out.append(self.states(stored[i], None))
+                continue
+            prev = out[i - 1] if i > 0 and frames[i - 1] == f - 1 else None
+            out.append(P.apply_codes(*unpacked[i], prev, self.params))
+        return out
+
+    def values(self, v_BTD: Tensor) -> Tensor:
+        return P.values(v_BTD, self.params)
