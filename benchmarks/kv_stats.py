@@ -33,7 +33,6 @@ import argparse
 import datetime
 import json
 import logging
-import os
 import shlex
 import sys
 import time

@@ -300,6 +300,13 @@ def frames_per_step(cfg: Config) -> int:
     return cfg.model.wan.chunk_frames if cfg.model.name in WAN_MODELS else 1
 
 
+def closed_loop_runs(fit: FitConfig) -> bool:
+    """Whether calibration can roll out closed-loop candidates: the predictive code with a scale
+    besides 1 in `fit.closed_loop_scales`, or the scalar code (whose mixed precision competes with
+    its base recipe)."""
+    return fit.code != "predictive" or any(s != 1.0 for s in fit.closed_loop_scales)
+
+
 def check_chunking(cfg: Config) -> None:
     """Every frame count the task will roll out is whole chunks of `model.wan.chunk_frames`: found
     here, in the first seconds, not after a replay and a fit (with Self-Forcing's chunks of 3, a
@@ -310,7 +317,7 @@ def check_chunking(cfg: Config) -> None:
     if not cfg.trajectories.file and not (cfg.task == "check" and cfg.trajectories.name == "calibration"):
         counts["trajectories.num_frames"] = cfg.trajectories.num_frames
     if cfg.task == "calibrate":
-        if cfg.quant.preset == "ours":
+        if cfg.quant.preset == "ours" and closed_loop_runs(cfg.fit):
             counts["fit.closed_loop_frames"] = cfg.fit.closed_loop_frames
         if cfg.memory.device_budget is not None:
             counts["memory.search_frames"] = cfg.memory.search_frames

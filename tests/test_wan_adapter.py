@@ -186,8 +186,8 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     (["model.wan.chunk_frames=5"], "does not divide"),
     (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=24",
       "check.num_frames=128"], "does not divide check.num_frames=128; set check.num_frames to a multiple of 3"),
-    (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=20"],
-     "fit.closed_loop_frames=18"),
+    (["task=calibrate", "model.wan.chunk_frames=3", "trajectories.num_frames=24", "fit.closed_loop_frames=20",
+      "fit.closed_loop_scales=[1.0,1.4]"], "fit.closed_loop_frames=18"),
     (["fit.trace_bytes=12 parsecs"], "fit.trace_bytes"),
     (["model.wan.dtype=float8"], "model.wan.dtype"),
     (["task=train_world"], "trains model=tinyworld or model=wanworld"),
@@ -199,3 +199,16 @@ def test_cli_bad_wan_input_is_one_line(tmp_path, args, message):
     assert run.returncode == 2
     assert len(lines) == 1 and message in lines[0], run.stderr
     assert not any(p.suffix == ".safetensors" for p in tmp_path.rglob("*"))
+
+
+def test_closed_loop_frames_are_checked_only_where_the_closed_loop_runs():
+    """With one closed-loop scale (the default) the predictive fit rolls nothing out, so its horizon
+    need not be whole chunks; with another scale, or the scalar code, it must."""
+    from calibrate.config import to_config
+
+    base = {"task": "calibrate", "model": {"name": "wanworld", "wan": {"chunk_frames": 3}},
+            "trajectories": {"num_frames": 24}, "check": {"num_frames": 24}}
+    assert to_config({**base, "fit": {"closed_loop_frames": 20}}).fit.closed_loop_frames == 20
+    for fit in ({"closed_loop_scales": [1.0, 1.4]}, {"code": "scalar"}):
+        with pytest.raises(ValueError, match="does not divide fit.closed_loop_frames=20"):
+            to_config({**base, "fit": {"closed_loop_frames": 20, **fit}})
