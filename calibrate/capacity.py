@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from calibrate.fit.plan_search import byte_count
+from calibrate.config_memory import byte_count
 from calibrate.io import write_text_atomic
 from calibrate.memory import fp16_cache_bytes, steady_phases, steady_state_frames
 from calibrate.plan import MemoryPlan

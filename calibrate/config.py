@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from calibrate.adapters.wan_diffusers import WanSettings
-from calibrate.config_memory import CapacityConfig, MemoryConfig, parse_bytes, positive
+from calibrate.config_memory import CapacityConfig, MemoryConfig, byte_count, parse_bytes, positive
 from calibrate.types import ALL_FAMILIES, FAMILIES
 from calibrate.wanworld.train_config import WanTrainConfig
 from calibrate.world.train_config import TrainConfig
@@ -281,7 +281,6 @@ def validate(cfg: Config) -> None:
     cfg.memory.check()
     cfg.capacity.check()
     if cfg.task == "capacity":
-        from calibrate.fit.plan_search import byte_count
 
         if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
             raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "

@@ -1,4 +1,4 @@
-"""Typed configuration of memory: byte counts (`parse_bytes`), the memory-plan search (`memory.*`)
+"""Typed configuration of memory: byte counts (`parse_bytes`, `byte_count`), the memory-plan search (`memory.*`)
 and `task=capacity` (`capacity.*`); and `positive`, the field check every config group shares.
 Part of `config.py`'s schema, which imports these.
 """
@@ -25,6 +25,13 @@ def parse_bytes(text, key: str) -> int:
     if value <= 0:
         raise ValueError(f"config: {key}={text!r} must be > 0 bytes")
     return value
+
+
+def byte_count(text: str) -> int | None:
+    """`memory.device_budget` without the model: its bytes, or None for `fp16`; ValueError if malformed."""
+    if str(text).strip().lower() == "fp16":
+        return None
+    return parse_bytes(text, "memory.device_budget")
 
 
 def positive(name: str, value, allow_zero: bool = False) -> None:
@@ -61,7 +68,6 @@ class MemoryConfig:
         if any(r > self.host_frames for r in self.recall_slots):
             raise ValueError(f"config: memory.recall_slots {self.recall_slots} exceed memory.host_frames={self.host_frames}")
         # checked here, before any replay or fit, rather than where the plan search uses them
-        from calibrate.fit.plan_search import byte_count
         from calibrate.schemes import BUILDERS
         from calibrate.world.trajectories import LONG_AWAY_FRAMES
 
@@ -92,8 +98,6 @@ class CapacityConfig:
     SHAPE = ("num_layers", "num_kv_heads", "head_dim", "tokens_per_latent_frame", "num_params")
 
     def reserve_bytes(self) -> int:
-        from calibrate.fit.plan_search import byte_count
-
         return 0 if str(self.reserve).strip() in ("0", "") else byte_count(self.reserve)
 
     def check(self) -> None:

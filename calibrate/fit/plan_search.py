@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from calibrate.adapters.base import WorldAdapter
-from calibrate.config import parse_bytes
+from calibrate.config_memory import byte_count
 from calibrate.evaluate.metrics import psnr
 from calibrate.fastcache import FastKVCache
 from calibrate.memory import check_fitted_window, fp16_cache_bytes, memory_section, steady_state_frames
@@ -61,13 +61,6 @@ def parse_budget(text: str, info: ModelInfo, window: int, sink_frames: int) -> i
     if count is None:
         return fp16_cache_bytes(info, steady_state_frames(window, sink_frames), window, sink_frames)
     return count
-
-
-def byte_count(text: str) -> int | None:
-    """`memory.device_budget` without the model: its bytes, or None for `fp16`; ValueError if malformed."""
-    if str(text).strip().lower() == "fp16":
-        return None
-    return parse_bytes(text, "memory.device_budget")
 
 
 def with_plan(recipe: Recipe, plan: MemoryPlan | None) -> Recipe:
