@@ -281,7 +281,6 @@ def validate(cfg: Config) -> None:
     cfg.memory.check()
     cfg.capacity.check()
     if cfg.task == "capacity":
-
         if cfg.memory.device_budget is None or byte_count(cfg.memory.device_budget) is None:
             raise ValueError(f"config: task=capacity needs the device's memory as memory.device_budget=BYTES (e.g. 24GiB), "
                              f"got {cfg.memory.device_budget}")

@@ -30,8 +30,8 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    product and exact zeros, so it equals the reference's elementwise product bit for bit.
 
 The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
-the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py holds them equal); values agree to
-float rounding. Bytes held (`nbytes`) count the forms each kept frame is in, which is what
+the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py), held
+equal; values agree to float rounding. Bytes held (`nbytes`) count the forms each kept frame is in, which is what
 `memory.predicted_cache_bytes` predicts; the slots not in use at the moment (the anchor frame's
 delta slot, warm-up) are capacity (`capacity_nbytes`).
 """

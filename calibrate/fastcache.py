@@ -72,6 +72,13 @@ def fast_path_problem(recipe: Recipe) -> str | None:
     return None
 
 
+def check_runnable(recipe: Recipe) -> None:
+    """FastPathError (one line naming the kind) unless this runtime can run `recipe`."""
+    problem = fast_path_problem(recipe)
+    if problem is not None:
+        raise FastPathError(f"recipe '{recipe.scheme.name}': the runtime has no path for it ({problem})")
+
+
 class RotatedKeys:
     """A frame's post-rotary keys, computed a token block at a time when asked (`block`), or whole
     (`full`): a blockwise step never holds the frame's rotated keys and their temporaries at once."""
@@ -132,9 +139,7 @@ class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
                  token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
                  compute_dtype: torch.dtype | None = None, compile: str | None = None):
-        problem = fast_path_problem(recipe)
-        if problem is not None:
-            raise FastPathError(f"recipe '{recipe.scheme.name}': the runtime has no path for it ({problem})")
+        check_runnable(recipe)
         window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)

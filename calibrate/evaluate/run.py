@@ -3,8 +3,9 @@
 For each batch of trajectories (equal length) the full-precision reference rollout runs once,
 through a `ShadowCache` that also feeds every scheme's quantized cache the same K/V (per-layer
 attention KL, most-attended-frame agreement, output error: teacher-forced). Then each scheme
-rolls out on its own through its packed runtime (`fastcache.FastKVCache`), and the per-frame series are computed against the fp rollout and the ground truth. Memory is counted
-from the runtime's tensors after every frame (the report takes the most). With `twin`, each
+rolls out on its own through its packed runtime (`fastcache.FastKVCache`), and the per-frame
+series are computed against the fp rollout and the ground truth. Memory is counted from the
+runtime's tensors after every frame (the report takes the most). With `twin`, each
 scheme's stored error is measured teacher-forced in the same shadows and its noise twin
 (evaluate/twin.py) rolls out after it: series `psnr_twin`, and the stored SQNR per trajectory.
 
@@ -36,7 +37,7 @@ from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
 from calibrate.io import safetensors_bytes, write_bytes_atomic
 from calibrate.recipe import Recipe, to_bytes
 from calibrate.replay import batches, rollout_batch
-from calibrate.fastcache import FastKVCache
+from calibrate.fastcache import FastKVCache, check_runnable
 from calibrate.shadow import ShadowCache
 from calibrate.tiers import fp16_device_bytes
 from calibrate.types import ModelInfo, Trajectory
@@ -194,10 +195,11 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
     `on_rollout(name, first, ref, quant, truth)`, if given, sees each fresh (scheme, batch) rollout
     as it finishes: frames [B, N, C, H, W] of `SchemeRun.trajs[first:first + B]`, truth None for a
     model without a renderer (e.g. `sheets.FrameSheets`, which writes them for report.html).
-    `twin` rolls out each scheme's
-    noise twin too (not for a memory plan, whose held frames differ from the fp cache's). Each
-    rollout shows its frames as a progress bar with an ETA.
+    `twin` rolls out each scheme's noise twin too (not for a memory plan, whose held frames differ
+    from the fp cache's). Each rollout shows its frames as a progress bar with an ETA.
     """
+    for r in recipes.values():  # before any rollout
+        check_runnable(r)
     runs = {name: SchemeRun(r, [], {}, {}) for name, r in recipes.items()}
     groups = batches(trajs, batch_size)
     layers = world.info.num_layers
