@@ -140,6 +140,9 @@ class FastKVCache(KVCache):
                  token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
                  compute_dtype: torch.dtype | None = None, compile: str | None = None):
         check_runnable(recipe)
+        if recipe.scheme.policy.keyframe_interval < 0:  # a Recipe built in memory; load_recipe refuses it too
+            raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
+                             f"got {recipe.scheme.policy.keyframe_interval}")
         window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)

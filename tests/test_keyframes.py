@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from calibrate.config import Config, FitConfig, validate
+from calibrate.fastcache import FastKVCache
 from calibrate.fit.allocate import KEYFRAME_BITS, _policy_candidates
 from calibrate.memory import bits_per_element, fp16_cache_bytes
 from calibrate.recipe import Recipe, TensorSpec, TokenPolicy, uniform_scheme
@@ -55,7 +56,7 @@ def test_a_key_frame_in_the_recent_window_is_re_encoded_at_key_frame_bits():
 
 def test_negative_interval_is_refused_by_the_runtime():
     with pytest.raises(ValueError, match="keyframe_interval"):
-        ReferenceCache.from_recipe(recipe_with(TokenPolicy(keyframe_interval=-3)))
+        FastKVCache.from_recipe(recipe_with(TokenPolicy(keyframe_interval=-3)))
 
 
 @pytest.mark.parametrize("intervals", [[0], [8, -2]])

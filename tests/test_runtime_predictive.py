@@ -10,8 +10,9 @@ from calibrate.chain import frame_role
 from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
 from calibrate.recipe import LayerSpec, Recipe, RecipeError, Scheme, TensorSpec, TokenPolicy, load_recipe, save_recipe
-from reference_runtime import ReferenceCache
+from calibrate.fastcache import FastKVCache
 from calibrate.types import ModelInfo
+from reference_runtime import ReferenceCache
 from toys import predictive_roles
 
 L, H, T, D = 2, 2, 4, 16
@@ -138,6 +139,9 @@ def test_pre_rotary_recipe_needs_rotary_coordinates():
     plain = Rope(torch.zeros(1, T, D // 2))
     with pytest.raises(ValueError, match="rotary coordinates"):
         cache.append(0, torch.randn(1, H, T, D), torch.randn(1, H, T, D), plain)
+    runtime = FastKVCache.from_recipe(recipe, window=4, sink_frames=1)
+    with pytest.raises(ValueError, match="rotary coordinates"):
+        runtime.attend(0, *(torch.randn(1, H, T, D) for _ in range(3)), plain)
 
 
 def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
@@ -155,16 +159,15 @@ def test_attend_of_a_predictive_cache_is_attention_over_what_it_reads():
 def test_a_predictive_recipe_refuses_another_window_than_it_was_fitted_for():
     recipe = predictive_recipe()
     recipe.metadata["memory"] = json.dumps({"window": 16, "sink_frames": 1})
-    ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
+    FastKVCache.from_recipe(recipe, window=16, sink_frames=1)
     with pytest.raises(ValueError, match="memory.window: its predictive codes were fitted for a window of 16"):
-        ReferenceCache.from_recipe(recipe, window=8, sink_frames=1)
+        FastKVCache.from_recipe(recipe, window=8, sink_frames=1)
 
 
 @pytest.mark.parametrize("memory", [None, {}, {"window": 16}, {"sink_frames": 1}, {"bits_per_element": 2.5}])
 def test_a_predictive_recipe_without_a_fitted_window_runs_under_any_window(memory):
     """FORMAT.md: without `memory` (or without its window or sink count) nothing is checked, and
     the codes stay valid under any window (states within the anchor range), in both runtimes."""
-    from calibrate.fastcache import FastKVCache
 
     recipe = predictive_recipe()
     recipe.metadata.pop("memory", None)

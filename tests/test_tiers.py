@@ -380,11 +380,11 @@ def test_a_plan_over_its_budget_is_refused_at_load(tmp_path):
     plan_recipe = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64)
     need = steady_device_bytes(recipe.model, plan_recipe.scheme, plan_recipe.scheme.policy.plan)
     ok = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64, device_budget_bytes=need)
-    ReferenceCache.from_recipe(ok)
+    FastKVCache.from_recipe(ok)
     tight = with_plan(recipe, window=8, sink_frames=1, recall_slots=4, host_frames=64, device_budget_bytes=need - 1)
     save_recipe(tight, tmp_path / "tight.safetensors")  # the format is fine; the budget is the runtime's check
     with pytest.raises(ValueError, match=f"needs {need} bytes .* above its device_budget_bytes={need - 1}"):
-        ReferenceCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
+        FastKVCache.from_recipe(load_recipe(tmp_path / "tight.safetensors"))
 
 
 @pytest.mark.parametrize("policy,spec,message", [
@@ -408,7 +408,7 @@ def test_host_tier_limits_are_checked_when_the_cache_is_built_not_at_load(policy
     module.loader.exec_module(reader)
     assert reader.plan_of(reader.read_recipe(tmp_path / "p.safetensors")[0])["host_frames"] == 8
     with pytest.raises(ValueError, match=re.escape(message)):
-        ReferenceCache.from_recipe(loaded)
+        FastKVCache.from_recipe(loaded)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
