@@ -81,7 +81,7 @@ class Run:
     check: int = 4
     check_frames: int | None = None
     batch: int = 1  # trajectories per rollout batch
-    trace_trajectories: int = 4
+    trace_trajectories: int = 7
     trace_frames: int = 48
     trace_tokens: int = 512
     trace_bytes: int = 8 * GIB
@@ -111,7 +111,7 @@ def rollout_flops(m: Model, frames: int, run: Run) -> dict[str, float]:
 
 def trace_slots(m: Model, run: Run) -> tuple[int, int, int]:
     """(B', F', S) as `calibration.trace_plan` chooses them."""
-    b, f = min(run.trace_trajectories, run.batch), min(run.trace_frames, run.frames)
+    b, f = min(run.trace_trajectories, run.calibration), min(run.trace_frames, run.frames)
     per_slot = b * f * (3 * m.layers * m.heads * m.head_dim * run.trace_element + 2 * m.head_dim)
     return b, f, min(m.tokens, run.trace_tokens, run.trace_bytes // per_slot)
 

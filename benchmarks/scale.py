@@ -390,7 +390,7 @@ def markdown(results: dict) -> str:
               "30 layers, 4680 tokens per cache frame (chunks of 3 latent frames at 480x832), 4 denoising steps + 1 "
               "clean pass, window 7 chunks + 1 sink (Self-Forcing's), the default calibration set (7 trajectories of "
               "40 chunks = 120 latent frames), no closed loop (off by default), evaluation 7 x 40 chunks, "
-              "check set 4 x 42 chunks (126 frames), default fit settings (trace 4 trajectories x 40 frames in "
+              "check set 4 x 42 chunks (126 frames), default fit settings (trace 7 trajectories x 40 frames in "
               "bfloat16), bfloat16 weights.", "", f"Throughput: {H100.note}.", ""]
     for gpus in (1, 8):
         e = extrapolate(gpus)

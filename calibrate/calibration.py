@@ -40,14 +40,16 @@ log = logging.getLogger(__name__)
 
 
 def trace_plan(cfg: Config, info) -> TracePlan:
-    """What the calibration replay traces for the objective (trace.py): `fit.trace_frames` cache
+    """What the calibration replay traces for the objective (trace.py): the first
+    `fit.trace_trajectories` calibration trajectories (whatever the batch size) and `fit.trace_frames` cache
     frames, or the calibration trajectories' cache frames when they are fewer, under
     `fit.trace_tokens` and `fit.trace_bytes`; refused here, before any replay, when not one token
     slot fits. A bf16 Wan's K/V are exact in bfloat16, so its trace keeps them so (half the bytes)."""
     f = cfg.fit
     bf16 = cfg.model.name == "wan_diffusers" and cfg.model.wan.dtype == "bfloat16"
-    frames = min(f.trace_frames, max(t.num_frames for t in trajectory_set(cfg)) // frames_per_step(cfg))
-    return plan_trace(info, min(f.trace_trajectories, cfg.trajectories.batch_size), frames, f.trace_tokens,
+    trajs = trajectory_set(cfg)
+    frames = min(f.trace_frames, max(t.num_frames for t in trajs) // frames_per_step(cfg))
+    return plan_trace(info, min(f.trace_trajectories, len(trajs)), frames, f.trace_tokens,
                       parse_bytes(f.trace_bytes, "fit.trace_bytes"), torch.bfloat16 if bf16 else torch.float32,
                       cfg.seed)
 
@@ -61,7 +63,7 @@ def closed_loop_trajectories(cfg: Config) -> list[Trajectory]:
 
 def calibration_recording(cfg: Config, model: World, device: torch.device) -> Recorder:
     """Replay the calibration set with the fp model: statistics, token samples, traced frames."""
-    return collect(cfg, model, device, trace_batches=1, trace=trace_plan(cfg, as_world(model).info))
+    return collect(cfg, model, device, trace=trace_plan(cfg, as_world(model).info))
 
 
 def check_budget(cfg: Config, info) -> None:
@@ -113,7 +115,7 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     if recorder is None:
         with phase("replay"):
             local = replace(plan, trajectories=len(range(shard.rank, plan.trajectories, shard.world)))
-            recorder = collect(cfg, model, device, trace_batches=1, trace=local if local.trajectories else None,
+            recorder = collect(cfg, model, device, trace=local if local.trajectories else None,
                                state=state)
     trace = distributed.gather_trace(recorder.traces[0] if recorder.traces else None, plan, state, shard)
     if trace is None or not trace.q:

@@ -129,8 +129,8 @@ class FitConfig:
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
-    trace_frames: int = 48  # cache frames of the first calibration batch the objective replays (calibrate/trace.py)
-    trace_trajectories: int = 7  # trajectories of that batch the objective replays (all 7 families)
+    trace_frames: int = 48  # cache frames of the traced trajectories the objective replays (calibrate/trace.py)
+    trace_trajectories: int = 7  # first calibration trajectories the objective replays (7: every family)
     trace_tokens: int = 512  # token slots per frame the trace keeps at most (the same slots in every frame)
     trace_bytes: str = "8GiB"  # the trace's byte budget (fewer slots when needed; logged): 8GiB, 512MiB, ...
     comp_rank: int = 0  # low-rank residual compensator rank (0 = off; at most the model's head_dim)

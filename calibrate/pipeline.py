@@ -106,8 +106,8 @@ def write_json(path: Path, obj) -> None:
 
 
 # ---- task=stats -----------------------------------------------------------------------------
-def collect(cfg: Config, model: World, device: torch.device, trace_batches: int = 0, trace: TracePlan | None = None,
-            state=None, checkpoint: Path | None = None) -> Recorder:
+def collect(cfg: Config, model: World, device: torch.device, trace: TracePlan | None = None, state=None,
+            checkpoint: Path | None = None) -> Recorder:
     """Replay the calibration trajectories (this process's shard) and reduce across processes.
 
     With `checkpoint`, the recorder is saved there after every batch, and a run that finds a
@@ -133,7 +133,7 @@ def collect(cfg: Config, model: World, device: torch.device, trace_batches: int 
     if checkpoint is not None:
         save = lambda i, group: recorder.save(checkpoint, asdict(info), {"resume_key": key, "batches_done": str(i + 1)})
     record(as_world(model), trajs, recorder, cfg.model.cache.window, cfg.model.cache.sink_frames, device,
-           cfg.trajectories.batch_size, trace_batches, on_batch=save, skip_batches=done)
+           cfg.trajectories.batch_size, on_batch=save, skip_batches=done)
     distributed.reduce_stats(recorder.stats, state)
     recorder.q = distributed.reduce_queries(recorder.q, state)
     recorder.k = distributed.reduce_queries(recorder.k, state)

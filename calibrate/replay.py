@@ -76,10 +76,11 @@ class Recorder:
 class RecordingCache(KVCache):
     """The full-precision cache, observed: every attended frame feeds the recorder (and the trace)."""
 
-    def __init__(self, num_layers: int, window: int, sink_frames: int, recorder: Recorder, trace: Trace | None = None):
+    def __init__(self, num_layers: int, window: int, sink_frames: int, recorder: Recorder, trace: Trace | None = None,
+                 trace_row: int = 0):
         super().__init__(num_layers, window, sink_frames)
         self.recorder = recorder
-        self.trace = trace
+        self.trace, self.trace_row = trace, trace_row  # the trace's row of this batch's first trajectory
         self._previous: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * num_layers  # (k, k_pre, v) of the last frame
 
     def observe(self, seen: Attended) -> None:
@@ -98,7 +99,7 @@ class RecordingCache(KVCache):
         rec.k.update(layer, seen.k_rot_BHTD)
         rec.v.update(layer, seen.v_BHTD)
         if self.trace is not None:
-            self.trace.put(layer, index, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope)
+            self.trace.put(layer, index, seen.q_BHTD, seen.k_BHTD, seen.v_BHTD, seen.key_rope, self.trace_row)
 
 
 def attention_mass(seen: Attended) -> Tensor:
@@ -153,9 +154,9 @@ def rollout_batch(world: WorldAdapter, trajs: list[Trajectory], cache: KVCache, 
 
 
 def record(world: WorldAdapter, trajs: list[Trajectory], recorder: Recorder, window: int, sink_frames: int,
-           device: torch.device, batch_size: int = 8, trace_batches: int = 0, on_batch=None,
-           skip_batches: int = 0) -> Recorder:
-    """Replay `trajs` with the fp model, recording into `recorder`; returns it.
+           device: torch.device, batch_size: int = 8, on_batch=None, skip_batches: int = 0) -> Recorder:
+    """Replay `trajs` with the fp model, recording into `recorder`; returns it. With a trace plan
+    (`recorder.trace`), the first trajectories, whichever batches they replay in, fill one trace.
 
     `skip_batches` batches are taken as already recorded (a resumed run); `on_batch(i, group)`
     runs after each batch (checkpointing). The reservoirs are reseeded at every batch start, so
@@ -163,16 +164,20 @@ def record(world: WorldAdapter, trajs: list[Trajectory], recorder: Recorder, win
     """
     layers = world.info.num_layers
     groups = batches(trajs, batch_size)
+    trace = None if recorder.trace is None else Trace(recorder.trace, device)
+    if trace is not None and skip_batches:
+        raise ValueError("a resumed replay cannot trace: its first trajectories were replayed before")
+    row = 0  # the batch's first trajectory's index: its row in the trace
     for i, group in enumerate(tqdm(groups, desc="replay", unit="batch", initial=skip_batches, total=len(groups))):
+        row += len(groups[i - 1]) if i else 0
         if i < skip_batches:
             continue
         for sample in (recorder.q, recorder.k, recorder.v):
             sample.reseed()
-        trace = Trace(recorder.trace, device) if i < trace_batches and recorder.trace is not None else None
-        cache = RecordingCache(layers, window, sink_frames, recorder, trace)
+        cache = RecordingCache(layers, window, sink_frames, recorder, trace, row)
         rollout_batch(world, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
-        if trace is not None:
-            recorder.traces.append(trace)
         if on_batch is not None:
             on_batch(i, group)
+    if trace is not None and trace.q:
+        recorder.traces.append(trace)
     return recorder

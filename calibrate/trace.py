@@ -4,8 +4,8 @@ The teacher-forced objective (fit/objective.py) replays recorded frames: every t
 queries, keys and values, with the history quantized. Keeping every token of every frame is
 what stopped a real-size model (Wan2.1-1.3B: 30 layers x 12 heads x 128 channels x 4680 tokens
 per cache frame is ~138 GB per trajectory in float32). So the recorder keeps, of the first
-`B'` trajectories of the first calibration batch and their first `F` cache frames, a fixed
-sample of `S` token slots:
+`B'` calibration trajectories (whichever replay batches they fall in) and their first `F` cache
+frames, a fixed sample of `S` token slots:
 
 - the same slots in every frame and layer: a token's chain of frames stays whole (the
   predictive code predicts a slot from the same slot in the previous frame), and the sampled
@@ -24,7 +24,7 @@ element of the trace's dtype:
     S          = min(T, fit.trace_tokens, floor(fit.trace_bytes / per slot))
     trace      = S * per slot
 
-`B'` = min(fit.trace_trajectories, the first batch's trajectories); `F` = min(fit.trace_frames,
+`B'` = min(fit.trace_trajectories, the calibration trajectories); `F` = min(fit.trace_frames,
 the calibration trajectories' cache frames) (calibration.trace_plan). `plan_trace` refuses a
 budget that holds no slot, before any replay.
 
@@ -97,8 +97,9 @@ def plan_trace(info: ModelInfo, trajectories: int, frames: int, max_tokens: int,
 
 
 class Trace:
-    """The traced frames of one batch: per layer q, pre-rotary k, v [B', H, F, S, D] and the
-    slots' rotary angles [B', F, S, A], filled frame by frame as the replay observes them."""
+    """The traced frames: per layer q, pre-rotary k, v [B', H, F, S, D] and the slots' rotary
+    angles [B', F, S, A], filled frame by frame as the replay observes them, each replay batch
+    into its own rows (trajectory i of the replay is row i)."""
 
     def __init__(self, plan: TracePlan, device: torch.device | str = "cpu"):
         self.plan = plan
@@ -108,34 +109,40 @@ class Trace:
         self.v: list[Tensor] = []
         self.angles: Tensor | None = None
         self.rotary_coords = 0  # coordinates the model's rotary gives per frame (0: none)
-        self.num_frames = 0  # frames filled (every layer)
+        self.num_frames = 0  # frames filled (every layer, every row)
+        self._filled = [0] * plan.trajectories  # frames filled per row
         self._slots = plan.slots_S.to(self.device)
 
-    def _allocate(self, B: int, A: int) -> None:
+    def _allocate(self, A: int) -> None:
         p = self.plan
-        shape = (min(B, p.trajectories), p.num_heads, p.frames, p.num_slots, p.head_dim)
+        shape = (p.trajectories, p.num_heads, p.frames, p.num_slots, p.head_dim)
         for store in (self.q, self.k_pre, self.v):
             store.extend(torch.empty(shape, dtype=p.dtype, device=self.device) for _ in range(p.num_layers))
         self.angles = torch.empty(shape[0], p.frames, p.num_slots, A, dtype=torch.float32, device=self.device)
         log.info("trace: %d trajectories x %d frames x %d of the frames' tokens, %.1f MiB (%s)", shape[0], p.frames,
                  p.num_slots, self.nbytes() / 2**20, p.dtype)
 
-    def put(self, layer: int, index: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, rope: Rope) -> None:
-        """Keep frame `index` of `layer` (pre-rotary keys), if it is among the traced frames."""
-        if index >= self.plan.frames:
+    def put(self, layer: int, index: int, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, rope: Rope,
+            row: int = 0) -> None:
+        """Keep frame `index` of `layer` (pre-rotary keys) of a batch whose first trajectory is
+        row `row`, if the frame and some of the batch's trajectories are among the traced ones."""
+        p = self.plan
+        if index >= p.frames or row >= p.trajectories:
             return
         if not self.q:
-            self._allocate(q_BHTD.shape[0], rope.angles_BTA.shape[-1])
-        b = self.q[layer].shape[0]
+            self._allocate(rope.angles_BTA.shape[-1])
+        b = min(q_BHTD.shape[0], p.trajectories - row)
+        rows = slice(row, row + b)
         for store, x in ((self.q, q_BHTD), (self.k_pre, k_BHTD), (self.v, v_BHTD)):
-            store[layer][:, :, index] = x[:b].index_select(2, self._slots).to(store[layer].dtype)
+            store[layer][rows, :, index] = x[:b].index_select(2, self._slots).to(store[layer].dtype)
         if layer == 0:
             angles = rope.angles_BTA.index_select(1, self._slots)
-            self.angles[:, index] = angles.expand(b, -1, -1) if angles.shape[0] == 1 else angles[:b]
+            self.angles[rows, index] = angles.expand(b, -1, -1) if angles.shape[0] == 1 else angles[:b]
             coords = rope.coords_BP
             self.rotary_coords = 0 if coords is None or rope.at is None else coords.shape[-1]
-        if layer == self.plan.num_layers - 1:
-            self.num_frames = index + 1
+        if layer == p.num_layers - 1:
+            self._filled[rows] = [index + 1] * b
+            self.num_frames = min(self._filled)
 
     def nbytes(self) -> int:
         """Bytes of the tensors held (all of them are allocated at the first frame; with several

@@ -132,8 +132,7 @@ def world():
     model = calibrate.load_model("tinyworld")
     info = as_world(model).info
     rec = Recorder.create(info, 256, plan_trace(info, 2, 24, 512, 1 << 30), 0)
-    record(as_world(model), make_trajectories(["orbit", "stress"], "calibration", 2, 24), rec, 16, 1, torch.device("cpu"),
-           trace_batches=1)
+    record(as_world(model), make_trajectories(["orbit", "stress"], "calibration", 2, 24), rec, 16, 1, torch.device("cpu"))
     return model, info, rec.traces[0]
 
 

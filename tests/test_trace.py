@@ -5,7 +5,7 @@ import torch
 
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
-from calibrate.replay import Recorder, RecordingCache, rollout_batch
+from calibrate.replay import Recorder, RecordingCache, record, rollout_batch
 from calibrate.trace import LayerTraces, Trace, plan_trace, slot_bytes
 from calibrate.types import ModelInfo
 from calibrate.world.trajectories import make_trajectories
@@ -76,3 +76,27 @@ def test_trace_holds_the_sampled_slots_of_what_the_cache_saw(tiny_world, tokens)
         torch.testing.assert_close(lt.k[:, :, index], k_rot[:2][:, :, s], atol=1e-6, rtol=1e-6)
     assert len(LayerTraces(trace, 16, 1)) == info.num_layers
     assert LayerTraces(trace, 16, 1, trajectories=1)[0].q.shape[0] == 1
+
+
+def _traced(world, trajs, batch_size: int, trajectories: int):
+    plan = plan_trace(world.info, trajectories, 6, 5, 1 << 30, seed=1)
+    return record(world, trajs, Recorder.create(world.info, 64, plan), 16, 1, CPU, batch_size).traces[0]
+
+
+def test_the_trace_spans_replay_batches_row_by_row(tiny_world):
+    """The first trajectories fill the trace whichever batches they replay in: each row holds
+    exactly what replaying its trajectory's own batch records (batches of 2 + 1, and of 1)."""
+    world = as_world(tiny_world)
+    trajs = make_trajectories(["orbit", "stress", "pan"], "calibration", 3, 10)
+    pair = _traced(world, trajs[:2], 2, 2)
+    alone = [_traced(world, [t], 1, 1) for t in trajs]
+    for batch_size, expected in ((2, [(pair, 0), (pair, 1), (alone[2], 0)]), (1, [(a, 0) for a in alone])):
+        trace = _traced(world, trajs, batch_size, 3)
+        assert trace.num_frames == 6 and trace.q[0].shape[0] == 3
+        for layer in range(world.info.num_layers):
+            for row, (ref, r) in enumerate(expected):
+                for name in ("q", "k_pre", "v"):
+                    assert torch.equal(getattr(trace, name)[layer][row], getattr(ref, name)[layer][r]), (batch_size, row)
+                assert torch.equal(trace.angles[row], ref.angles[r])
+    two = _traced(world, trajs, 1, 2)  # trajectories past the trace's are replayed, not traced
+    assert two.q[0].shape[0] == 2 and torch.equal(two.v[1][1], alone[1].v[1][0])
