@@ -51,7 +51,7 @@ from calibrate.adapters import as_world
 from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
-from calibrate.fastcache import FastKVCache
+from calibrate.fastcache import FastKVCache, fast_path_problem
 from calibrate.io import write_text_atomic
 from calibrate.recipe import Recipe, TensorSpec, load_recipe, save_recipe
 from calibrate.replay import rollout_batch
@@ -157,7 +157,7 @@ def frame_times(world, recipes: dict[str, Recipe], device, window: int, sink_fra
     return out
 
 
-def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg, reused=()) -> str:
+def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg, reused=(), unrunnable=None) -> str:
     def fmt(x, f=".2f"):
         return "-" if x is None else format(x, f)
 
@@ -197,6 +197,9 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
                   "carries; the bytes grow):", "", "| tensor in float16 | 16-64 | 128-256 | flicker |", "|---|---|---|---|"]
     for name, r in sources.items():
         lines.append(f"| {name} | {fmt(r['psnr'].get('16-64'))} | {fmt(r['psnr'].get('128-256'))} | {r['flicker']:.5f} |")
+    if unrunnable:
+        lines += ["", f"`ours` with one tensor held in float16 is not measured for {', '.join(unrunnable)}: the runtime "
+                  f"has no path for it ({next(iter(unrunnable.values()))})."]
     lines += twin_lines(by, fams)
     lines += ["", "## What the fitter chose (default `ours`)", "", "```",
               json.dumps({k: v for k, v in records.get("ours", {}).items() if k != "layers"}, indent=1)[:5000], "```", ""]
@@ -267,18 +270,24 @@ def main(argv=None) -> int:
         reused += [name] if again else []
     baselines = [b for b in args.baselines.split(",") if b]
     recipes.update(pipeline.resolve_schemes(cfg, baselines, model, device, pipeline.kv_sample(recording)))
-    sources = {}
+    sources, unrunnable = {}, {}
     if not args.no_sources:
         for layer in range(as_world(model).info.num_layers):
             for kind in ("k", "v"):
-                sources[f"layer {layer} {kind.upper()}"] = with_fp16_tensor(recipes["ours"], layer, kind)
+                name, r = f"layer {layer} {kind.upper()}", with_fp16_tensor(recipes["ours"], layer, kind)
+                problem = fast_path_problem(r)  # e.g. a float16 K next to a predictive V: the runtime has no path
+                if problem is None:
+                    sources[name] = r
+                else:
+                    unrunnable[name] = problem
     eval_cfg = replace(cfg, trajectories=TrajectoriesConfig(split="evaluation", num_trajectories=args.trajectories,
                                                             num_frames=args.frames))
     trajs = pipeline.trajectory_set(eval_cfg)
     common = dict(trajs=trajs, window=cfg.model.cache.window, sink_frames=cfg.model.cache.sink_frames, device=device,
                   batch_size=cfg.trajectories.batch_size, attention=False, partial_dir=run_dir / "partial")
-    runs = {**evaluate(as_world(model), recipes, twin=True, **common),  # the noise twin for the recipes, not the sources
-            **evaluate(as_world(model), sources, twin=False, **common)}
+    runs = evaluate(as_world(model), recipes, twin=True, **common)  # the noise twin for the recipes, not the sources
+    if sources:
+        runs |= evaluate(as_world(model), sources, twin=False, **common)
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     rows = {r["scheme"]: r for r in rows_of(runs, rep)}
     by = {n: rows[n] for n in recipes}
@@ -289,7 +298,8 @@ def main(argv=None) -> int:
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
     times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
     command = shlex.join(["python", "-m", "benchmarks.fit", *(argv if argv is not None else sys.argv[1:])])
-    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused)
+    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
+                  unrunnable)
     out = Path(args.out)
     stem = "fit" if args.model == "tinyworld" else f"fit_{args.model}"
     write_text_atomic(out / f"{stem}.md", md)
