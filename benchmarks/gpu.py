@@ -138,8 +138,8 @@ def calibrate_on_device(adapter, device, clock: Clock, chunks: int, window: int,
     sizes = {}
     allocate = trace.Trace._allocate
 
-    def measured_allocate(self, B, A):
-        allocate(self, B, A)
+    def measured_allocate(self, A):
+        allocate(self, A)
         sizes.update(trace_gib=self.nbytes() / GIB, trace_slots=self.plan.num_slots)
     trace.Trace._allocate = measured_allocate
     t0 = time.perf_counter()
