@@ -14,6 +14,7 @@ Non-finite K/V stop the replay with the layer, head and frame where they appeare
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -167,14 +168,13 @@ def record(world: WorldAdapter, trajs: list[Trajectory], recorder: Recorder, win
     trace = None if recorder.trace is None else Trace(recorder.trace, device)
     if trace is not None and skip_batches:
         raise ValueError("a resumed replay cannot trace: its first trajectories were replayed before")
-    row = 0  # the batch's first trajectory's index: its row in the trace
+    rows = [0, *accumulate(len(g) for g in groups)]  # each batch's first trajectory: its row in the trace
     for i, group in enumerate(tqdm(groups, desc="replay", unit="batch", initial=skip_batches, total=len(groups))):
-        row += len(groups[i - 1]) if i else 0
         if i < skip_batches:
             continue
         for sample in (recorder.q, recorder.k, recorder.v):
             sample.reseed()
-        cache = RecordingCache(layers, window, sink_frames, recorder, trace, row)
+        cache = RecordingCache(layers, window, sink_frames, recorder, trace, rows[i])
         rollout_batch(world, group, cache, device, desc=f"replay {group[0].family}..", keep_frames=False)
         if on_batch is not None:
             on_batch(i, group)
