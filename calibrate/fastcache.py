@@ -36,7 +36,7 @@ from calibrate.cache import SLOT_BASE, KVCache, Rope, attention_logits, attentio
 from calibrate.fast_chain import ChainStore, token_block
 from calibrate.memory import check_fitted_window
 from calibrate.quant.blockattn import OnlineSoftmax
-from calibrate.recipe import Recipe
+from calibrate.recipe import Recipe, validate
 from calibrate.tiers import Tiers, device_window, predicted_bytes
 
 MIN_WORKSPACE = 4 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
@@ -139,10 +139,8 @@ class FastKVCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu",
                  token_block: int | None = None, query_chunk: int | None = None, workspace_bytes: int | None = None,
                  compute_dtype: torch.dtype | None = None, compile: str | None = None):
+        validate(recipe, f"recipe '{recipe.path or recipe.scheme.name}'")  # an in-memory one too; load_recipe did a file's
         check_runnable(recipe)
-        if recipe.scheme.policy.keyframe_interval < 0:  # a Recipe built in memory; load_recipe refuses it too
-            raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
-                             f"got {recipe.scheme.policy.keyframe_interval}")
         window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
         check_fitted_window(recipe, window, sink_frames)
         super().__init__(recipe.model.num_layers, window, sink_frames)
