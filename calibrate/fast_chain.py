@@ -1,7 +1,8 @@
 """The fast runtime's storage of predictive tensors: preallocated rings of packed chain frames.
 
-`ChainStore` holds one layer's K and V (both `kind="predictive"`, stacked as G = 2H heads) the
-way `chain.py` defines their stored forms, in fixed buffers allocated once:
+`ChainStore` holds one layer's predictive tensors (K and V stacked as G = 2H heads, or the one of
+them that is predictive, G = H: `fast_mixed.py` pairs it with the other's store) the way `chain.py`
+defines their stored forms, in fixed buffers allocated once:
 
     codes   uint8 [B, M, C, T]        delta frames: every head's code fields of a token in one row
                                       (`RowLayout.concat` of the heads' rows, C = sum of their bytes),
@@ -66,14 +67,16 @@ class IndexTensors:
 
 
 class ChainStore:
-    """One layer's predictive K and V (see the module docstring)."""
+    """One layer's predictive tensors, `tensors` = {"k": roles, "v": roles} or one of them (see the
+    module docstring)."""
 
-    def __init__(self, tensors_k: dict, tensors_v: dict, pre_rotary: bool, temporal: bool, policy, window: int,
+    def __init__(self, tensors: dict[str, dict], pre_rotary: bool, temporal: bool, policy, window: int,
                  sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None,
                  recall_slots: int = 0, keep_evicted: bool = False):
-        self.code = code = ChainCode(tensors_k, tensors_v, device)
+        self.kinds = tuple(kind for kind in "kv" if kind in tensors)
+        self.code = code = ChainCode([tensors[kind] for kind in self.kinds], device)
         self.H, self.G, self.D = code.H, code.G, code.D
-        self.pre_rotary, self.temporal = pre_rotary, temporal
+        self.pre_rotary, self.temporal = pre_rotary and "k" in self.kinds, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
         self.R = policy.recent_frames
         self.Wm = max(window - self.R, 0)
@@ -181,11 +184,11 @@ class ChainStore:
         """Post-rotary K and V [B, H, F*T, D] of held `frames`, in that order."""
         held = self.chain(n) + self.recent_frames(n)
         k, v, _ = next(self._run(n, None, rope, True, None, block=self.T)) if self.B is not None else (None, None, None)
-        if k is None or not frames:
+        if (k is None and v is None) or not frames:
             raise ValueError("no frames to read")
-        B, H, _, D = k.shape
-        pos = torch.tensor([held.index(f) for f in frames], device=k.device)
-        pick = lambda x: x.view(B, H, len(held), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
+        B, H, _, D = (k if k is not None else v).shape
+        pos = torch.tensor([held.index(f) for f in frames], device=self.device)
+        pick = lambda x: None if x is None else x.view(B, H, len(held), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
         return pick(k), pick(v)
 
     def _run(self, index: int, kv: tuple[Tensor, Tensor] | None, rope, decode: bool, exclude: int | None = None,
@@ -233,7 +236,8 @@ class ChainStore:
                 v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]
                 self.code.pack_anchor(v_out, self._evicted[1]["anchor"][..., tokens])
             if commit:
-                x = torch.cat((token_block(kv[0], tokens), kv[1][:, :, tokens]), dim=1)  # K then V: [B, G, Tb, D]
+                x = torch.cat([token_block(kv[0], tokens) if kind == "k" else kv[1][:, :, tokens]
+                               for kind in self.kinds], dim=1)  # K then V: [B, G, Tb, D]
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
             if not decode:
                 continue
@@ -311,18 +315,21 @@ class ChainStore:
             yield self._block(states, None, tokens, cos, sin)
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin):
-        """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames."""
+        """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames (None
+        for a kind this store does not hold)."""
         parts = []
         if states is not None:
             parts.append(self.code.values(states))  # [B, G, J, Tb, D]
         if recent_slots is not None:
             parts.append(self.recent[:, :, recent_slots, tokens].float())
         x = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-        k, v = x[:, : self.H], x[:, self.H:]
+        held = dict(zip(self.kinds, x.split(self.H, dim=1)))
+        k, v = held.get("k"), held.get("v")
         if self.pre_rotary:
             k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
-        B, H, F, Tb, D = k.shape
-        return k.reshape(B, H, F * Tb, D), v.reshape(B, H, F * Tb, D), None
+        B, H, F, Tb, D = x.shape[0], self.H, *x.shape[2:]
+        flat = lambda t: None if t is None else t.reshape(B, H, F * Tb, D)
+        return flat(k), flat(v), None
 
     # ---- bytes ------------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:

@@ -1,6 +1,7 @@
 """A layer's predictive code on packed rows, every head at once: the fast runtime's arithmetic.
 
-`ChainCode` stacks one layer's predictive K and V parameters as G = 2H heads (K then V), derives
+`ChainCode` stacks one layer's predictive tensors' parameters as G heads (K then V: G = 2H, or H
+in a layer whose other tensor is coded per frame), derives
 once what the per-step arithmetic needs, and does that arithmetic on packed forms; it holds no
 frames (`fast_chain.ChainStore` holds them):
 
@@ -27,12 +28,13 @@ from calibrate.quant.chainscan import segmented_states
 
 
 class ChainCode:
-    """One layer's predictive K and V parameters, stacked [G, ...], and the code's arithmetic."""
+    """One layer's predictive tensors' parameters (`tensors`: their roles, K before V), stacked
+    [G, ...], and the code's arithmetic."""
 
-    def __init__(self, tensors_k: dict, tensors_v: dict, device):
-        cat = lambda role: torch.cat([tensors_k[role], tensors_v[role]]).to(device)
-        self.H = tensors_k["mean"].shape[0]
-        self.G, self.D = 2 * self.H, tensors_k["mean"].shape[1]
+    def __init__(self, tensors: list[dict], device):
+        cat = lambda role: torch.cat([t[role] for t in tensors]).to(device)
+        self.H = tensors[0]["mean"].shape[0]
+        self.G, self.D = len(tensors) * self.H, tensors[0]["mean"].shape[1]
         self.mean, self.rotation, self.unit = cat("mean"), cat("rotation"), cat("unit")
         bits, self.s_intra, self.s_inter = cat("channel_bits"), cat("intra_step"), cat("inter_step")
         anchor_bits = cat("anchor_bits")

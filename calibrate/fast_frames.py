@@ -41,27 +41,28 @@ from calibrate.recipe import TensorSpec
 
 
 class FrameStore:
-    """One layer's K and V coded per frame (see the module docstring)."""
+    """One layer's K and V coded per frame, or the one of them that is (`kinds`; see the module docstring)."""
 
     def __init__(self, recipe, layer: int, window: int, sink_frames: int, device, frame_block: int | None = None,
-                 recall_slots: int = 0, keep_evicted: bool = False):
+                 recall_slots: int = 0, keep_evicted: bool = False, kinds: str = "kv"):
         self.policy = pol = recipe.scheme.policy
         self.window, self.sink = window, sink_frames
         info = recipe.model
         self.H, self.D, self.T = info.num_kv_heads, info.head_dim, info.tokens_per_frame
-        self.specs = {"k": recipe.spec(layer, "k"), "v": recipe.spec(layer, "v")}
-        self.pre_rotary = self.specs["k"].rotary_coords > 0
+        self.kinds, self.specs = kinds, {kind: recipe.spec(layer, kind) for kind in kinds}
+        self.first = self.specs[kinds[0]]  # deferred spans: K's and V's are the same (pair_problem)
+        self.pre_rotary = "k" in kinds and self.specs["k"].rotary_coords > 0
         self.device = torch.device(device)
-        tensors = {kind: {k: v.to(self.device) for k, v in recipe.layer_tensors(layer, kind).items()} for kind in "kv"}
-        self.var_HD = tensors["k"].get("logit_bias")
-        self.jensen = self.specs["k"].jensen  # quant/jensen.py: each key's own grid steps lower its logits
-        self.k_rotation = tensors["k"].get("rotation")
+        tensors = {kind: {k: v.to(self.device) for k, v in recipe.layer_tensors(layer, kind).items()} for kind in kinds}
+        self.var_HD = tensors.get("k", {}).get("logit_bias")
+        self.jensen = "k" in kinds and self.specs["k"].jensen  # quant/jensen.py: each key's own grid steps lower its logits
+        self.k_rotation = tensors.get("k", {}).get("rotation")
         native = {kind: [spec.bits_of(h) for h in range(self.H)] for kind, spec in self.specs.items()}
         widths_of = {"recent": [pol.recent_bits] * self.H, "sink": [pol.sink_bits] * self.H,
                      "key": [pol.keyframe_bits] * self.H, "pending": [16] * self.H}  # main, recall: native
         capacity = capacities(pol, window, sink_frames)
-        self.deferred = self.specs["k"].prq_deferred  # the same for V (pair_problem)
-        capacity["pending"] = self.specs["k"].prq_span_frames if self.deferred else 0  # a span not yet complete
+        self.deferred = self.first.prq_deferred
+        capacity["pending"] = self.first.prq_span_frames if self.deferred else 0  # a span not yet complete
         # a memory plan's host tier (tiers.py): evicted frames leave as their main slot's codes, and
         # the recall slots are a pool of main-width slots, filled by the tiers, not by `step`
         capacity["recall"] = recall_slots if capacity["main"] else 0
@@ -70,17 +71,16 @@ class FrameStore:
         self.groups: dict[str, dict[str, list[GroupCodec]]] = {}
         for name in (*CLASSES, "pending", "recall"):
             if capacity[name]:
-                widths = {kind: widths_of.get(name, native[kind]) for kind in "kv"}
+                widths = {kind: widths_of.get(name, native[kind]) for kind in kinds}
                 self.pools[name] = Pool(name, widths, capacity[name])
-                self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in "kv"}
+                self.groups[name] = {kind: self._groups(self.specs[kind], tensors[kind], widths[kind]) for kind in kinds}
         # heads whose keys of a class get the key-noise correction: held at the head's own width < 16
         self.corrected = {name: torch.tensor([w == native["k"][h] < 16 for h, w in enumerate(p.widths["k"])],
-                                             device=self.device) for name, p in self.pools.items()}
+                                             device=self.device) for name, p in self.pools.items() if "k" in kinds}
         self.frame_block, self.token_block, self.write_block = frame_block, self.T, self.T  # write: tokens coded at a time
-        self.B: int | None = None
-        self._index = IndexTensors(self.device)
+        self.B, self._index = None, IndexTensors(self.device)
         # kind prq with stages: per kind, the states of the spans a kept frame below 16 bits uses
-        self.spanned = [kind for kind in "kv" if span_of(self.specs[kind], 0) is not None]
+        self.spanned = [kind for kind in kinds if span_of(self.specs[kind], 0) is not None]
         self.spans = {kind: SpanStates() for kind in self.spanned}
 
     def _groups(self, spec: TensorSpec, tensors: dict, widths: list[int]) -> list[GroupCodec]:
@@ -93,16 +93,16 @@ class FrameStore:
         return [GroupCodec(spec, tensors, heads, b, self.D, self.device) for (b, _, _), heads in keys.items()]
 
     # ---- buffers --------------------------------------------------------------------------------
-    def allocate(self, x_k, x_v: Tensor) -> None:
-        B = x_k.shape[0]
+    def allocate(self, xs: dict) -> None:
+        B = next(iter(xs.values())).shape[0]
         if self.B is not None:
             if B != self.B:
                 raise ValueError(f"the cache was filled with batch {self.B}, got a frame of batch {B}")
             return
         self.B = B
-        x_k = x_k if isinstance(x_k, Tensor) else x_k.full()
+        xs = {kind: x if isinstance(x, Tensor) else x.full() for kind, x in xs.items()}
         for name, pool in self.pools.items():
-            for kind, x in (("k", x_k), ("v", x_v)):
+            for kind, x in xs.items():
                 bufs = []
                 for g in self.groups[name][kind]:
                     state = None
@@ -117,16 +117,16 @@ class FrameStore:
         for kind in self.spanned:
             spec = self.specs[kind]
             spans = span_capacity(spec, self.policy, self.window, self.sink)
-            self.spans[kind].states = x_v.new_zeros(B, self.H, spans, spec.prq_stages, spec.prq_centroids, self.D,
-                                                    dtype=torch.float16)
+            self.spans[kind].states = torch.zeros(B, self.H, spans, spec.prq_stages, spec.prq_centroids, self.D,
+                                                  dtype=torch.float16, device=self.device)
 
-    def _write(self, name: str, slot: int, x_k: Tensor, x_v: Tensor, index: int) -> None:
+    def _write(self, name: str, slot: int, xs: dict, index: int) -> None:
         """Code frame `index` into `slot` of a pool a token block at a time (small temporaries): per-token
         codes at once, dynamic per-channel ranges (kind uniform) gathered over the blocks first. Dense-
         and-sparse values, other per-channel kinds, frame-wide kinds (`Kind.frame_wide`) and span
         centroids see the whole frame; a span's first frame coded below 16 bits fits the span's state first."""
         pool = self.pools[name]
-        for kind, x in (("k", x_k), ("v", x_v)):
+        for kind, x in xs.items():
             spec = self.specs[kind]
             spanned = self._spanned(name, kind)
             ranged = spec.axis == "channel" and not spec.static
@@ -232,7 +232,8 @@ class FrameStore:
     def step(self, index: int, k_BHTD: Tensor, v_BHTD: Tensor, rope=None, decode: bool = True):
         """Store frame `index` (K as stored, V), move the frame leaving the recent window to its
         class, evict; then (when `decode`) the history blocks of the frame."""
-        self.allocate(k_BHTD, v_BHTD)
+        xs = {kind: x for kind, x in zip("kv", (k_BHTD, v_BHTD)) if kind in self.kinds}  # the tensors held here
+        self.allocate(xs)
         pol, n = self.policy, index
         post = set(kept_frames(n + 1, self.window, self.sink))
         for pool in self.pools.values():  # evict first: their slots take the new frames
@@ -248,15 +249,15 @@ class FrameStore:
             slot = self.pools["recent"].frame_slot[leaving]
             recent = self.pools["recent"].buffers  # float16 frames are coded from their copy, block by block
             x = {kind: recent[kind][0]["fp16"][:, :, slot] if "fp16" in recent[kind][0] and len(recent[kind]) == 1
-                 else self._decode("recent", kind, self._index([slot]), frames=[leaving])[:, :, 0] for kind in "kv"}
+                 else self._decode("recent", kind, self._index([slot]), frames=[leaving])[:, :, 0] for kind in self.kinds}
             self.pools["recent"].release(leaving)
             name = frame_class(pol, leaving, n + 1)
-            self._write(name, self.pools[name].alloc(leaving), x["k"], x["v"], leaving)
+            self._write(name, self.pools[name].alloc(leaving), x, leaving)
         name = "pending" if self.deferred else frame_class(pol, index, n + 1)
-        self._write(name, self.pools[name].alloc(index), k_BHTD, v_BHTD, index)
+        self._write(name, self.pools[name].alloc(index), xs, index)
         if self.deferred:
-            if not span_pending(self.specs["k"], index, n + 1):
-                self._complete_span(span_of(self.specs["k"], index), post, n + 1)
+            if not span_pending(self.first, index, n + 1):
+                self._complete_span(span_of(self.first, index), post, n + 1)
             for f in [f for f in self.pools["pending"].frame_slot if f not in post]:
                 self.pools["pending"].release(f)
         for kind in self.spanned:  # each head's span states no kept frame below 16 bits uses any more go
@@ -268,7 +269,7 @@ class FrameStore:
     def _slot_record(self, pool: Pool, slot: int, copy: bool = False) -> dict:
         """A frame's codes in a pool slot: per kind, per group of heads, tensors [B, Hg, ...]."""
         return {kind: [{key: t[:, :, slot].clone() if copy else t[:, :, slot] for key, t in bufs.items()}
-                       for bufs in pool.buffers[kind]] for kind in "kv"}
+                       for bufs in pool.buffers[kind]] for kind in self.kinds}
 
     def take_evicted(self) -> tuple[int, dict] | None:
         """(frame, host form) of the frame the last step evicted, once."""
@@ -294,11 +295,11 @@ class FrameStore:
         codes below 16 bits, with the parameters of the first one's class; then code the frames
         kept (`post`) into their classes."""
         pending = self.pools["pending"]
-        frames = sorted(f for f in pending.frame_slot if span_of(self.specs["k"], f) == span)
+        frames = sorted(f for f in pending.frame_slot if span_of(self.first, f) == span)
         raw = {kind: self._decode("pending", kind, self._index([pending.frame_slot[f] for f in frames]))
-               for kind in "kv"}  # [B, H, F, T, D]
+               for kind in self.kinds}  # [B, H, F, T, D]
         classes = [frame_class(self.policy, f, n) for f in frames]
-        for kind in "kv":
+        for kind in self.kinds:
             B, H, F, T, D = raw[kind].shape
             for h in range(H):
                 coded = [j for j, c in enumerate(classes) if self.pools[c].widths[kind][h] < 16]
@@ -311,7 +312,7 @@ class FrameStore:
         for j, f in enumerate(frames):
             pending.release(f)
             if f in post:
-                self._write(classes[j], self.pools[classes[j]].alloc(f), raw["k"][:, :, j], raw["v"][:, :, j], f)
+                self._write(classes[j], self.pools[classes[j]].alloc(f), {kind: x[:, :, j] for kind, x in raw.items()}, f)
 
     def history(self, n: int, rope=None, exclude: int | None = None, names=None):
         """Blocks (k [B, H, N, D] post-rotary, v, corrected heads or None) of the held frames but
@@ -328,15 +329,16 @@ class FrameStore:
 
     def _block(self, name: str, frames: list[int], rope, tokens: slice = slice(None)):
         slots = self._index([self.pools[name].frame_slot[f] for f in frames])
-        k, v = self._decode(name, "k", slots, tokens, frames), self._decode(name, "v", slots, tokens, frames)
+        k, v = (self._decode(name, kind, slots, tokens, frames) if kind in self.kinds else None for kind in "kv")
         if self.pre_rotary:
             cos, sin = rope(frames)
             k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
-        B, H, J, T, D = k.shape
+        B, H, J, T, D = (k if k is not None else v).shape
         corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
         if self.jensen and any(g.bits < 16 for g in self.groups[name]["k"]):
             corr = self._key_steps(name, slots, tokens).reshape(B, H, J * T, D)
-        return k.reshape(B, H, J * T, D), v.reshape(B, H, J * T, D), corr
+        flat = lambda t: None if t is None else t.reshape(B, H, J * T, D)
+        return flat(k), flat(v), corr
 
     def _key_steps(self, name: str, slots: Tensor, tokens: slice = slice(None)) -> Tensor:
         """Grid steps [B, H, J, Tb, D] of the keys in the pool's `slots` (the Jensen correction)."""
@@ -363,11 +365,9 @@ class FrameStore:
                 ks, vs, order = ks + [k], vs + [v], order + fs
         if not order:
             raise ValueError("no frames to read")
-        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        B, H, _, D = k.shape
-        pos = torch.tensor([order.index(f) for f in frames], device=k.device)
-        pick = lambda x: x.view(B, H, len(order), self.T, D).index_select(2, pos).reshape(B, H, -1, D)
-        return pick(k), pick(v)
+        pos = torch.tensor([order.index(f) for f in frames], device=self.device)
+        pick = lambda x: x.view(x.shape[0], self.H, len(order), self.T, self.D).index_select(2, pos).flatten(2, 3)
+        return tuple(None if parts[0] is None else pick(torch.cat(parts, dim=2)) for parts in (ks, vs))
 
     def logit_bias(self, n: int, q_BHTD: Tensor, frames: list[int]) -> Tensor | None:
         """As KVCache.logit_bias: [B, H, T, N] for `frames` then the T fresh keys."""

@@ -47,25 +47,28 @@ class FastPathError(ValueError):
 
 
 def fast_path_problem(recipe: Recipe) -> str | None:
-    """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None: a layer mixing
-    a predictive and a per-frame kind, predictive K and V with different `temporal`, the Jensen
-    correction on a kind without a uniform step, a head_dim that is not a multiple of 8. No
-    preset or fit writes these."""
+    """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None: predictive K
+    and V with different `temporal`, a layer mixing a predictive and a per-frame kind under a memory
+    plan or with a logit correction on its keys, the Jensen correction on a kind without a uniform
+    step, a head_dim that is not a multiple of 8. No preset or fit writes these."""
     from calibrate import fast_pools
 
     D = recipe.model.head_dim
     for i, pair in enumerate(recipe.scheme.layers):
-        kinds = {pair.k.kind == "predictive", pair.v.kind == "predictive"}
-        if kinds == {True, False}:
-            return f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
-        if pair.k.kind == "predictive":
+        predictive = [spec.kind == "predictive" for spec in (pair.k, pair.v)]
+        if all(predictive):
             if pair.k.temporal != pair.v.temporal:
                 return f"layer {i}: predictive K and V with different 'temporal'"
             continue
-        problem = fast_pools.pair_problem(pair.k, pair.v)
-        if problem:
+        if any(predictive):
+            mixes = f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
+            if recipe.scheme.policy.plan is not None:
+                return f"{mixes} under a memory plan"
+            if not predictive[0] and (pair.k.jensen or recipe.tensor(i, "k", "logit_bias") is not None):
+                return f"{mixes} with a logit correction on its keys"
+        elif problem := fast_pools.pair_problem(pair.k, pair.v):
             return f"layer {i}: {problem}"
-        for kind, spec in (("k", pair.k), ("v", pair.v)):
+        for kind, spec in [(kind, spec) for kind, spec, p in zip("kv", (pair.k, pair.v), predictive) if not p]:
             problem = fast_pools.problem(spec, D, recipe.scheme.policy)
             if problem:
                 return f"layer {i} {kind}: {problem}"
@@ -159,14 +162,23 @@ class FastKVCache(KVCache):
         self.coords_dims = []
         for i, pair in enumerate(recipe.scheme.layers):
             self.coords_dims.append(pair.k.rotary_coords)
-            if pair.k.kind == "predictive":
-                self.stores.append(ChainStore(recipe.layer_tensors(i, "k"), recipe.layer_tensors(i, "v"),
-                                              pair.k.rotary_coords > 0, pair.k.temporal, self.policy, window,
-                                              sink_frames, T, self.device, token_block, **tiered))
-            else:
+            predictive = "".join(kind for kind in "kv" if recipe.spec(i, kind).kind == "predictive")
+            per_frame = "".join(kind for kind in "kv" if kind not in predictive)
+            chain = frames = None
+            if predictive:
+                chain = ChainStore({kind: recipe.layer_tensors(i, kind) for kind in predictive}, pair.k.rotary_coords > 0,
+                                   recipe.spec(i, predictive[0]).temporal, self.policy, window, sink_frames, T,
+                                   self.device, token_block, **tiered)
+            if per_frame:
                 from calibrate.fast_frames import FrameStore
 
-                self.stores.append(FrameStore(recipe, i, window, sink_frames, self.device, token_block, **tiered))
+                frames = FrameStore(recipe, i, window, sink_frames, self.device, token_block, **tiered, kinds=per_frame)
+            if chain and frames:
+                from calibrate.fast_mixed import MixedStore
+
+                self.stores.append(MixedStore(chain, frames, window, sink_frames))
+            else:
+                self.stores.append(chain or frames)
         if compile:
             for store in self.stores:
                 if isinstance(store, ChainStore):

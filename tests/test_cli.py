@@ -150,12 +150,13 @@ def files(tiny, tmp_path_factory):
     negative_keyframes = json.loads(meta["scheme"])
     negative_keyframes["policy"]["keyframe_interval"] = -1
     variant("keyframe_interval_negative", {"scheme": json.dumps(negative_keyframes)})
-    mixed = json.loads(meta["scheme"])  # layer 0: per-frame K, predictive V (a valid file the runtime refuses)
+    mixed = json.loads(meta["scheme"])  # layer 0: per-frame K with a logit correction, predictive V (valid; refused)
     roles = predictive_roles(torch.randn(1, H, 6, info.tokens_per_frame, D, generator=torch.Generator().manual_seed(3)))
     mixed["layers"][0]["v"] = {"bits": 2, "kind": "predictive", "rotation": "learned",
                                "token_bits": roles["channel_bits"].sum(-1).tolist(),
                                "anchor_token_bits": roles["anchor_bits"].sum(-1).tolist()}
-    variant("mixed_layer", {"scheme": json.dumps(mixed)}, {f"layers.0.v.{r}": t for r, t in roles.items()})
+    variant("mixed_layer", {"scheme": json.dumps(mixed)},
+            {**{f"layers.0.v.{r}": t for r, t in roles.items()}, "layers.0.k.logit_bias": torch.zeros(H, D)})
 
     trajs = make_trajectories(["orbit"], "calibration", 1, 8)
     tgood = d / "trajs.safetensors"
@@ -202,7 +203,7 @@ CASES = [
     Case("recipe-not-orthogonal", [*EVAL, "recipe={not_orthogonal}"], ["layers.0.k.rotation", "orthogonal"]),
     Case("recipe-unknown-role", [*EVAL, "recipe={unknown_role}"], ["layers.0.k.mystery", "role"]),
     Case("recipe-mixed-layer", ["task=check", *TINY_MODEL, "recipe={mixed_layer}"],
-         ["the runtime has no path", "layer 0 mixes a predictive and a per-frame kind"]),
+         ["the runtime has no path", "layer 0 mixes a predictive and a per-frame kind", "logit correction on its keys"]),
     Case("recipe-other-model", ["task=check", *TINY_MODEL, "recipe={other_model}"], ["fingerprint", "recalibrate"]),
     Case("recipe-compensator-shape", ["task=check", *TINY_MODEL, "recipe={comp_wrong_shape}"],
          ["layers.0.k.comp_down", "shape", "[2, 64, 3]"]),

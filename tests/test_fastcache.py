@@ -253,12 +253,13 @@ def test_baselines_store_and_attend_like_the_reference(name, tiny_world):
 def chain_states(cache: FastKVCache, layer: int) -> dict:
     """{(kind, frame): states [B, H, T, D]} of the chain frames the fast cache holds."""
     store = cache.stores[layer]
+    store = getattr(store, "predictive", store)  # a layer mixing kinds: its predictive tensor's store
     chain = store.chain(cache._num_appended[layer])
     if not chain:
         return {}
     s = store.code.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
     return {(kind, f): s[:, j, i * store.H:(i + 1) * store.H].long() for j, f in enumerate(chain)
-            for i, kind in enumerate("kv")}
+            for i, kind in enumerate(store.kinds)}
 
 
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
@@ -270,17 +271,23 @@ def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent,
     recipe = predictive_recipe(recent=recent)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
-    ks, vs, ropes = sequence(30)
+    assert_chains_like_the_reference(recipe, "kv", window, sink, frames=30, seed=3)
+
+
+def assert_chains_like_the_reference(recipe, predictive: str, window: int, sink: int, frames: int, seed: int):
+    """Frame by frame: the `predictive` tensors' chain states bitwise, outputs and reads within float
+    rounding, bytes as the oracle's and as predicted."""
+    ks, vs, ropes = sequence(frames)
     ref = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
     fast = FastKVCache.from_recipe(recipe, window=window, sink_frames=sink)
-    g = torch.Generator().manual_seed(3)
-    for f in range(30):
+    g = torch.Generator().manual_seed(seed)
+    for f in range(frames):
         q = torch.randn(2, 2, 4, 16, generator=g)
         for layer in range(2):
             want = ref.attend(layer, q, ks[f], vs[f], ropes[f])
             torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=ATOL_OUT, rtol=RTOL_OUT)
             mine = chain_states(fast, layer)
-            for kind in "kv":
+            for kind in predictive:
                 theirs = ref._chain_states(layer, kind)
                 assert {f for k, f in mine if k == kind} == set(theirs)
                 for frame, states in theirs.items():  # integer states: bitwise
@@ -340,19 +347,40 @@ def test_uncommitted_passes_store_nothing():
             ref.attend(layer, q, k, v, rope)
 
 
-# ---- choosing the runtime, bad input --------------------------------------------------------------------
-def mixed_recipe() -> Recipe:
-    pred = predictive_recipe()
-    layers = [LayerSpec(k=p.k, v=TensorSpec(bits=2)) for p in pred.scheme.layers]
-    tensors = {k: t for k, t in pred.tensors.items() if ".v." not in k}
+# ---- a layer mixing kinds; choosing the runtime, bad input -----------------------------------------------
+def mixed_recipe(predictive: str, other: TensorSpec = TensorSpec(bits=2), recent: int = 0) -> Recipe:
+    """`predictive_recipe` with the tensor that is not `predictive` ("k" or "v") coded per frame."""
+    pred = predictive_recipe(recent=recent)
+    kind = "v" if predictive == "k" else "k"
+    layers = [replace(p, **{kind: other}) for p in pred.scheme.layers]
+    tensors = {k: t for k, t in pred.tensors.items() if f".{kind}." not in k}
     return Recipe(pred.model, Scheme("mixed", layers, pred.scheme.policy), tensors)
 
 
+@pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (4, 1, 2), (3, 0, 0)])
+@pytest.mark.parametrize("predictive,other", [("k", TensorSpec(bits=2)), ("v", TensorSpec(bits=16)),
+                                              ("v", TensorSpec(bits=2, axis="channel"))])
+def test_a_layer_mixing_kinds_equals_the_reference(predictive, other, window, sink, recent):
+    """One tensor predictive (pre-rotary keys among them), the other per frame: benchmarks.fit's rows
+    with one tensor in float16. Chain states bitwise, outputs and reads within float rounding, bytes
+    as the oracle's and as predicted."""
+    recipe = mixed_recipe(predictive, other, recent)
+    assert fast_path_problem(recipe) is None
+    assert_chains_like_the_reference(recipe, predictive, window, sink, frames=20, seed=4)
+
+
 def test_a_recipe_without_a_path_is_refused_in_one_line():
-    recipe = mixed_recipe()
-    assert "mixes a predictive and a per-frame kind" in fast_path_problem(recipe)
-    with pytest.raises(FastPathError, match="recipe 'mixed': the runtime has no path for it .layer 0 mixes a predictive and a per-frame kind"):
-        FastKVCache.from_recipe(recipe, 4, 1)
+    from calibrate.plan import MemoryPlan
+
+    planned = mixed_recipe("k")
+    planned.scheme.policy = replace(planned.scheme.policy, plan=MemoryPlan(10**9, window=2, sink_frames=0, recall_slots=1,
+                                                                            host_frames=8))
+    assert fast_path_problem(planned) == "layer 0 mixes a predictive and a per-frame kind (K predictive, V uniform) under a memory plan"
+    corrected = mixed_recipe("v")
+    corrected.tensors["layers.0.k.logit_bias"] = torch.zeros(H, D)
+    with pytest.raises(FastPathError, match="recipe 'mixed': the runtime has no path for it .layer 0 mixes a predictive and "
+                                            "a per-frame kind .K uniform, V predictive. with a logit correction on its keys"):
+        FastKVCache.from_recipe(corrected, 4, 1)
     assert fast_path_problem(predictive_recipe()) is None
 
 
@@ -367,7 +395,8 @@ def test_the_public_runtime_is_the_one_runtime():
 
 def test_kinds_without_a_fast_path_are_named():
     """prq spans shared by several classes, the turbo kinds and the Jensen correction (dense-and-sparse
-    keys too) run; a layer mixing a predictive and a per-frame kind is refused (above)."""
+    keys too) run; a layer mixing a predictive and a per-frame kind runs, but not under a memory plan
+    or with a logit correction on its per-frame keys (above)."""
     assert fast_path_problem(_toy_peer_recipes()["prq_keyframes"]) is None
     assert fast_path_problem(_toy_peer_recipes()["prq_recent_sink16"]) is None
     assert fast_path_problem(_toy_peer_recipes()["turbo"]) is None and fast_path_problem(_toy_peer_recipes()["jensen"]) is None

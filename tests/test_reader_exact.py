@@ -463,7 +463,7 @@ def test_golden_predictive_modes(row):
     want = ([row[8] == "inter"], _ints(row[9]), _ints(row[10]))
     inter, codes, v = P.encode(x, p, v_prev)  # the reference runtime's encoder (chain.ChainCodec)
     assert (inter.flatten().tolist(), codes.flatten().tolist(), v.flatten().tolist()) == want
-    store = ChainStore(roles, roles, False, True, SimpleNamespace(recent_frames=0), 1, 0, 1, "cpu")  # the fast runtime's
+    store = ChainStore({"k": roles, "v": roles}, False, True, SimpleNamespace(recent_frames=0), 1, 0, 1, "cpu")  # the fast runtime's
     inter, codes, v = store.code.encode(x[:, None].expand(1, 2, 1, 2), v_prev[:, None].expand(1, 2, 1, 2))
     for g in range(2):
         assert (inter[:, g].flatten().tolist(), codes[:, g].flatten().tolist(), v[:, g].flatten().tolist()) == want
