@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.reproducibility import ANOTHER_CPU
 from calibrate import calibration, pipeline, replay
 from calibrate.adapters import as_world
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
@@ -284,10 +285,9 @@ FIT_IN_A_PROCESS = textwrap.dedent("""
                       clip_grid=[1.0, 0.8], rotations=["none", "hadamard"])
     save_recipe(calibration.fit(cfg, make_tiny_world(0), torch.device("cpu"))[0], sys.argv[1])
 """)
-# what a recipe fitted on another CPU may differ in (README, "Reproducibility"): MKL picks its kernels
-# by CPU, so sums run in another order; measured here up to 2 ulps of the means, 1.6e-5 relative in
-# the units and 3.5e-5 in the PCA rotations (eigenvectors of near-equal eigenvalues move most)
-ANOTHER_CPU = {"mean": (1e-6, 0.0), "unit": (0.0, 1e-4), "rotation": (1e-4, 0.0)}  # role: (atol, rtol)
+# what a recipe fitted on another CPU may differ in (README, "Reproducibility", ANOTHER_CPU): MKL picks
+# its kernels by CPU, so sums run in another order; measured here up to 2 ulps of the means, 1.6e-5
+# relative in the units and 3.5e-5 in the PCA rotations (eigenvectors of near-equal eigenvalues move most)
 
 
 def test_a_recipe_fitted_under_another_mkl_kernel_set_makes_the_same_choices(tmp_path):
