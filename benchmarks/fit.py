@@ -12,6 +12,9 @@ at a time at the same budget:
     ours_uncoded_as_variance  (an addition, not an ablation) water-filling that prices an uncoded
                          component at its whole variance (fit/predictive.py)
     ours_no_mixed        no mixed precision (every head at the base width)
+    ours_wide_base       every head starting at the widest base width up to 2 bits per component
+                         (fit.base_bits_max=2, the previous release): the allocator cannot leave a
+                         tensor narrower than that
     ours_closed_loop     (an addition: off by default) the rollout-level selection among inter-step
                          scales (closed_loop_scales=[0.7, 1.0, 1.4, 2.0], the default until it
                          lost 0.8 dB on WanWorld)
@@ -65,6 +68,7 @@ ABLATIONS = {
     "ours_uniform_bits": {"bit_allocation": "uniform"},
     "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance"},
     "ours_no_mixed": {"mixed_precision": False},
+    "ours_wide_base": {"base_bits_max": 2.0},
     "ours_closed_loop": {"closed_loop_scales": [0.7, 1.0, 1.4, 2.0]},
     "ours_lambda0": {"lambda_temporal": 0.0},
     "ours_scalar": {"code": "scalar"},

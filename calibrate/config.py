@@ -114,6 +114,7 @@ class FitConfig:
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
     inter_mult_max: float = 1.4  # the same for the inter grid; 1.4, its top: it does not grow
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
+    base_bits_max: float = 1.25  # every head starts at the widest base width up to this (bits per component, 1-2)
     anchor_sd: float = 4.0  # an anchor holds a state up to this many standard deviations of its component
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
     # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (README, Fitting)
@@ -152,6 +153,8 @@ class FitConfig:
         for name in ("intra_mult_max", "inter_mult_max"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"config: fit.{name} must be a positive number, got {getattr(self, name)}")
+        if not 1 <= self.base_bits_max <= 2:  # nan fails too
+            raise ValueError(f"config: fit.base_bits_max must lie in [1, 2] bits per component, got {self.base_bits_max}")
         if not (math.isfinite(self.bits_step) and 0 < self.bits_step <= 4):
             raise ValueError(f"config: fit.bits_step must lie in (0, 4], got {self.bits_step}")
         if not math.isfinite(self.budget_bits):

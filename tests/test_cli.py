@@ -246,6 +246,7 @@ CASES = [
                                  "fit.clip_grid=[1.0]", "fit.rotations=[none]"], ["budget_bits", "1.0"]),
     Case("budget-nan", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=nan"], ["fit.budget_bits", "finite"]),
     Case("anchor-reach-nan", ["task=calibrate", *TINY_MODEL, "fit.anchor_sd=nan"], ["fit.anchor_sd", "finite number > 0"]),
+    Case("base-width-too-wide", ["task=calibrate", *TINY_MODEL, "fit.base_bits_max=3"], ["fit.base_bits_max", "[1, 2]"]),
     Case("budget-below-predictive-floor", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=1.01"],
          ["fit.budget_bits=1.01", "window=16"]),
     Case("unknown-scheme", ["task=compare", *TINY_MODEL, "schemes=[fp16,nope]"], ["unknown scheme 'nope'"]),

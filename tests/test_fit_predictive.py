@@ -85,6 +85,18 @@ def test_mixed_precision_only_adds_bits_within_the_budget(fitted, model):
     assert all(u["gain"] > 0 for u in record["upgrades"])
 
 
+def test_every_head_starts_at_the_widest_base_width_up_to_the_cap(model):
+    """fit.base_bits_max caps the width every head starts at (the allocator spends the rest), in
+    quarter bits down to 1: a cap above what fits changes nothing."""
+    widths = {}
+    for cap in (2.0, 1.6, 1.25, 1.0):
+        recipe, record = calibration.fit(tiny_fit_config(base_bits_max=cap, mixed_precision=False), model, CPU)
+        widths[cap] = {w for heads in record["head_bits"].values() for w in heads}
+        assert widths[cap] == {record["base_width"]} and record["bits_per_element"] <= 2.5 + 1e-9
+    widest = widths[2.0].pop()
+    assert widths[1.6] == {min(1.5, widest)} and widths[1.25] == {min(1.25, widest)} and widths[1.0] == {1.0}
+
+
 def test_a_budget_no_code_can_meet_is_refused(model):
     with pytest.raises(BudgetError, match="budget_bits"):
         calibration.fit(tiny_fit_config(budget_bits=1.0), model, CPU)

@@ -14,7 +14,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    inter step multipliers from `fit.intra_mults` x `fit.inter_mults`, the pair with the lowest
    objective per head (heads are independent in the objective), at the base width; each axis
    grows past its top while a head chooses it (up to `fit.intra_mult_max` / `fit.inter_mult_max`).
-3. **Mixed precision**: a greedy allocator adds `fit.bits_step` bits per component to one head of
+3. **Mixed precision**: every head starts at the base width (the widest up to `fit.base_bits_max`
+   that fits the budget); a greedy allocator adds `fit.bits_step` bits per component to one head of
    one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
    next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
 4. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
@@ -175,7 +176,7 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     for line in grid_edges(record["layers"], cfg):
         log.warning(line)
     recipe = assemble(info, fits, cfg, rotary_coords)
-    record["base_bits"] = bits_per_element(info, recipe.scheme, window, sink_frames)
+    record["base_width"], record["base_bits"] = base_bits, bits_per_element(info, recipe.scheme, window, sink_frames)
     record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords, shard) \
         if cfg.mixed_precision else []
     recipe = assemble(info, fits, cfg, rotary_coords)
@@ -278,10 +279,13 @@ def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int)
 
 
 def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
-    """The widest base width (2.0 down to 1.0 bits per component) whose recipe fits the budget
-    whatever step multipliers the search then picks (the smallest steps need the widest anchors)."""
+    """The widest base width (`fit.base_bits_max` down to 1.0 bits per component, in quarter bits)
+    whose recipe fits the budget whatever step multipliers the search then picks (the smallest
+    steps need the widest anchors). The allocator spends the rest where the objective gains most,
+    so a narrow base lets it leave a tensor narrower than the base would (TinyWorld's and
+    WanWorld's keys: README, Fitting)."""
     finest = HeadCode(0.0, min(cfg.intra_mults), min(cfg.inter_mults) * min(min(cfg.closed_loop_scales), 1.0))
-    for avg in (2.0, 1.75, 1.5, 1.25, 1.0):
+    for avg in [b / 4 for b in range(int(cfg.base_bits_max * 4), int(MIN_BASE_BITS * 4) - 1, -1)]:
         fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
                                  *moments(stats, "kpre" if kind == "k" and pre else kind, l),
                                  [replace(finest, avg_bits=avg)] * info.num_kv_heads) for kind in KINDS}
