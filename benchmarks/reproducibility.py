@@ -97,7 +97,7 @@ def markdown(res: dict, run: dict | None, recipe: Path, against: Path, command: 
     ok = d["same_names"] and all(d["metadata"].values()) and all(r["within"] for r in roles.values())
     lines = ["# Reproducibility: the default run's recipe against the shipped one", "",
              f"- command: `{command}`; date: {res['date']}",
-             f"- machine: {res['cpu']}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+             f"- machine: {res['cpu']}; torch {torch.__version__}, torch threads: {torch.get_num_threads()}; "
              f"MKL_CBWR={os.environ.get('MKL_CBWR', '(unset)')}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"]
     if run:
         lines.append(f"- the default `python -m calibrate`: **{run['wall_s']:.0f} s wall**, {run['user_s']:.0f} s user CPU, "
