@@ -199,11 +199,8 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "
                   "names:", "", "| tensor in float16 | bits/elem | 16-64 | 128-256 | flicker | static | pan |",
-                  "|---|---|---|---|---|---|---|", f"| none (`ours`) | {by['ours']['bits']:.3f} | "
-                  f"{fmt(by['ours']['psnr'].get('16-64'))} | {fmt(by['ours']['psnr'].get('128-256'))} | "
-                  f"{by['ours']['flicker']:.5f} | {fmt(by['ours']['by_family'].get('static'))} | "
-                  f"{fmt(by['ours']['by_family'].get('pan'))} |"]
-    for name, r in sources.items():
+                  "|---|---|---|---|---|---|---|"]
+    for name, r in ({"none (`ours`)": by["ours"], **sources} if sources else {}).items():
         lines.append(f"| {name} | {r['bits']:.3f} | {fmt(r['psnr'].get('16-64'))} | {fmt(r['psnr'].get('128-256'))} | "
                      f"{r['flicker']:.5f} | {fmt(r['by_family'].get('static'))} | {fmt(r['by_family'].get('pan'))} |")
     if unrunnable:
