@@ -87,6 +87,7 @@ class Run:
     trace_bytes: int = 8 * GIB
     trace_element: int = 4
     grid: int = 9  # |intra_mults| x |inter_mults|
+    refine_steps: bool = True  # the step grid searched again at the final widths (fit.refine_steps)
     upgrades: int | None = None  # U; default: estimated from the budget headroom
     headroom_bits: float = 0.18  # budget minus the base recipe's bits (U estimate): 2.5 - 2.32, as measured (scale.json)
     bits_step: float = 0.25
@@ -130,11 +131,15 @@ def fit_counts(m: Model, run: Run) -> dict[str, float]:
     head passes after upgrades      3 U                        (each 1/H of a layer pass)
     coded head sequences            L H (2 grid + 5) + 4 U     (one head's F' frames, quant/predictive.py)
     fitted head codes               2 L H (grid + 2) + 2 U     (fit/predictive.fit_head: PCA + widths)
+
+    and with `refine_steps` the step grid once more: L 2 grid layer passes, L H (2 grid + 1)
+    sequences, 2 L H grid codes.
     """
-    u = upgrades(m, run)
-    return {"layer_passes": m.layers * (1 + 2 * run.grid) + 3 * m.layers + 3 * u / m.heads,
-            "sequences": m.layers * m.heads * (2 * run.grid + 5) + 4 * u,
-            "codes": 2 * m.layers * m.heads * (run.grid + 2) + 2 * u}
+    u, r = upgrades(m, run), int(run.refine_steps)
+    L, H, g = m.layers, m.heads, run.grid
+    return {"layer_passes": L * (1 + 2 * g) + 3 * L + 3 * u / H + r * L * 2 * g,
+            "sequences": L * H * (2 * g + 5) + 4 * u + r * L * H * (2 * g + 1),
+            "codes": 2 * L * H * (g + 2) + 2 * u + r * 2 * L * H * g}
 
 
 def objective_flops(m: Model, run: Run) -> dict[str, float]:

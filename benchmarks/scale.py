@@ -77,7 +77,7 @@ def worker(overrides: list[str], out: Path) -> None:
     """Run `python -m calibrate *overrides` in this process, measuring phases, the trace and the objective."""
     from calibrate import trace
     from calibrate.recipe import load_recipe
-    from calibrate.fit import predictive_search
+    from calibrate.fit import predictive_codes, predictive_search
 
     meter = PhaseMeter()
     logging.getLogger("calibrate.calibration").addHandler(meter)
@@ -101,7 +101,7 @@ def worker(overrides: list[str], out: Path) -> None:
                                              lambda a: a[0].q.shape[1])
     predictive_search.head_objective = timed(predictive_search.head_objective, "objective_calls", "unused_seconds")
     measured["unused_seconds"] = 0.0
-    predictive_search.fake_quant_sequence = timed(predictive_search.fake_quant_sequence, "head_sequences",
+    predictive_codes.fake_quant_sequence = timed(predictive_codes.fake_quant_sequence, "head_sequences",
                                                   "reconstruct_seconds")
     allocate = trace.Trace._allocate
 

@@ -129,6 +129,7 @@ class FitConfig:
     sparse_fraction: float = 0.01  # dense-and-sparse upgrade: share of entries kept in float16 (0 = off)
     anchors: bool = True  # detect sink/anchor frames from attention mass and keep them at high precision
     mixed_precision: bool = True
+    refine_steps: bool = True  # after mixed precision, search each head's steps again at its final width
     sample_tokens: int = 4096  # K/V/Q tokens per layer and head kept for fitting
     trace_frames: int = 48  # cache frames of the traced trajectories the objective replays (calibrate/trace.py)
     trace_trajectories: int = 7  # first calibration trajectories the objective replays (7: every family)

@@ -1,6 +1,7 @@
 """Properties the predictive fitter promises (fit/predictive_search.py), on a tiny random TinyWorld."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -119,7 +120,8 @@ def _reference_allocate(info, traces, refs, fits, cfg, window, sink_frames, rota
     whole memory model (assemble + bits_per_element) at every step."""
     from dataclasses import replace
 
-    from calibrate.fit.predictive_search import MAX_AVG_BITS, assemble, head_objective, reconstruct
+    from calibrate.fit.predictive_codes import assemble, head_objective, reconstruct
+    from calibrate.fit.predictive_search import MAX_AVG_BITS
     from calibrate.memory import bits_per_element
 
     lam, step = cfg.lambda_temporal, cfg.bits_step
@@ -250,3 +252,75 @@ def test_a_step_grid_grows_until_no_head_chooses_its_top(model, axis):
     assert grown > 0
     _, capped = search(**{f"{role}_max": 0.3})
     assert all({p[axis] for p in entry[kind]["grid"]} == {0.3} for entry in capped for kind in ("k", "v"))
+
+
+def _search(model, **fit):
+    """fit_predictive on the tiny world's recording: (fit config, record, per-tensor fits)."""
+    from calibrate.fit.predictive_search import fit_predictive
+    from calibrate.trace import LayerTraces
+
+    cfg = tiny_fit_config(**fit)
+    recorder = calibration.calibration_recording(cfg, model, CPU)
+    traces = LayerTraces(recorder.traces[0], 16, 1, cfg.fit.trace_trajectories)
+    _, record, fits = fit_predictive(as_world(model).info, traces, recorder.stats, cfg.fit, 16, 1,
+                                     recorder.traces[0].rotary_coords)
+    return cfg.fit, record, fits
+
+
+def test_steps_are_searched_again_at_the_widths_the_allocator_left(model):
+    """fit.refine_steps: after mixed precision every head's multipliers are the lowest score of a
+    second search, run at each head's final width (the scores differ from the base width's where
+    the allocator widened a head); off, they stay the base width's choice."""
+    cfg, record, fits = _search(model)
+    assert record["upgrades"] and len(record["refined"]) == TINY_WORLD.num_layers
+    assert record["bits_per_element"] <= cfg.budget_bits + 1e-9
+    widened = {(u["layer"], u["tensor"]) for u in record["upgrades"]}
+    for layer, (entry, base) in enumerate(zip(record["refined"], record["layers"])):
+        for kind in ("k", "v"):
+            e = entry[kind]
+            heads, taken = fits[layer][kind].heads, e if entry["kept"] else base[kind]  # kept: within the budget
+            assert [c.intra_mult for c in heads] == taken["intra_mult"]
+            assert [c.inter_mult for c in heads] == taken["inter_mult"]
+            for h, (a, b) in enumerate(zip(e["intra_mult"], e["inter_mult"])):
+                column = [s[h] for s in e["scores"]]
+                assert column[e["grid"].index([a, b])] == min(column)
+            if (layer, kind) not in widened and kind == "k":  # same widths, same K search (V sees the new K)
+                assert e["scores"] == base[kind]["scores"]
+        if any((layer, kind) in widened for kind in ("k", "v")):
+            assert entry["v"]["scores"] != base["v"]["scores"]
+    _, off, off_fits = _search(model, refine_steps=False)
+    assert "refined" not in off
+    for layer, base in enumerate(off["layers"]):
+        for kind in ("k", "v"):
+            assert [c.intra_mult for c in off_fits[layer][kind].heads] == base[kind]["intra_mult"]
+
+
+def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
+    """A layer whose re-searched steps widen its anchors past fit.budget_bits keeps its base-width
+    steps: here every re-search returns the finest pair (the widest anchors) and the budget is the
+    bits the allocator reached, so no layer may take a pair that costs more."""
+    from calibrate.fit import predictive_search as ps
+    from calibrate.memory import bits_per_element
+
+    cfg, record, fits = _search(model, refine_steps=False)
+    before = {(layer, kind): list(pair[kind].heads) for layer, pair in enumerate(fits) for kind in ("k", "v")}
+    info = as_world(model).info
+
+    def finest(layer, trace, reference, stats, cfg, pre, widths):
+        return {kind: {"intra_mult": [min(cfg.intra_mults)] * len(w), "inter_mult": [min(cfg.inter_mults)] * len(w)}
+                for kind, w in widths.items()}
+
+    monkeypatch.setattr(ps, "_layer_steps", finest)
+    tight = replace(cfg, budget_bits=record["bits_per_element"])
+    rotary = 3  # TinyWorld's rotary coordinates (the pose: x, y, yaw)
+    L = info.num_layers
+    refined = ps._refine_steps(info, [None] * L, [None] * L, fits, None, tight, True, rotary, 16, 1, ps.Shard())
+    assert bits_per_element(info, ps.assemble(info, fits, tight, rotary).scheme, 16, 1) <= tight.budget_bits + 1e-9
+    assert not all(e["kept"] for e in refined)
+    for layer, entry in enumerate(refined):
+        for kind in ("k", "v"):
+            heads = fits[layer][kind].heads
+            if entry["kept"]:
+                assert all(c.intra_mult == min(cfg.intra_mults) for c in heads)
+            else:
+                assert heads == before[(layer, kind)]

@@ -193,7 +193,7 @@ def test_a_budget_below_the_predictive_floor_is_refused_before_the_replay(tiny, 
 
 def test_the_floor_is_below_every_recipe_the_fitter_can_make(tiny):
     """The floor is a lower bound: the narrowest base recipe on real statistics costs more."""
-    from calibrate.fit.predictive_search import KINDS, HeadCode, TensorFit, assemble, moments
+    from calibrate.fit.predictive_codes import KINDS, HeadCode, TensorFit, assemble, moments
     from calibrate.memory import bits_per_element
 
     model, _, _ = tiny

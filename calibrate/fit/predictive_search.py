@@ -18,7 +18,13 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    that fits the budget); a greedy allocator adds `fit.bits_step` bits per component to one head of
    one tensor at a time, the upgrade with the largest objective gain per budgeted bit, until the
    next would exceed `fit.budget_bits` (memory.py counts codes, modes, anchors and coordinates).
-4. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
+4. **Steps at the final widths** (`fit.refine_steps`): step 2 again, each head at the width the
+   allocator left it. The best multiplier of a step depends on the width: the Gaussian step
+   table (fit/predictive.py) assumes Gaussian tails, and the heavier tails of real K/V want a
+   wider grid the more levels it has. Steps searched at the base width and kept after the
+   allocator tripled a head's bits were too fine there, and the rollout showed it (README,
+   Fitting). A layer whose new steps would cross the budget (anchors widen) keeps the old ones.
+5. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
    other than [1.0], the recipe with its inter steps scaled by each rolls out on calibration
    trajectories and the best one ships. It did not earn its place: on held-out rollouts it
    cost 0.8 dB late on WanWorld and gained 0.06 dB on TinyWorld (artifacts/benchmarks/fit*.md).
@@ -28,27 +34,26 @@ from __future__ import annotations
 
 import logging
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from itertools import product
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from calibrate import predictive_roles
 from calibrate.cache import kept_frames
 from calibrate.config import FitConfig
 from calibrate.distributed import Shard
-from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
-from calibrate.fit.predictive import fit_head
+from calibrate.fit.objective import LayerTrace, attention_outputs
+from calibrate.fit.predictive_codes import (KINDS, HeadCode, TensorFit, assemble, head_objective, moments, reconstruct,
+                                            stat_kind)
 from calibrate.memory import (bits_per_element, fp16_cache_bytes, predicted_cache_bytes, predictive_head_bytes,
                               steady_phases, steady_state_frames)
-from calibrate.quant.predictive import MAX_BITS, fake_quant_sequence
+from calibrate.quant.predictive import MAX_BITS
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
 
 log = logging.getLogger(__name__)
-KINDS = ("k", "v")
 MAX_AVG_BITS = 4.0
 MIN_BASE_BITS = 1.0  # the narrowest base width `_base_bits` tries (bits per component)
 GRID_GROWTH = 1.3  # each step past the top of fit.intra_mults / fit.inter_mults multiplies it by this
@@ -56,89 +61,6 @@ GRID_GROWTH = 1.3  # each step past the top of fit.intra_mults / fit.inter_mults
 
 class BudgetError(ValueError):
     """fit.budget_bits cannot hold even the coarsest predictive code."""
-
-
-@dataclass(frozen=True)
-class HeadCode:
-    """What the search sets for one head of one tensor."""
-
-    avg_bits: float
-    intra_mult: float
-    inter_mult: float
-
-
-def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(mean [H, D], covariance [H, D, D], frame-to-frame change second moment [H, D, D]) of
-    `kind` ("k", "kpre" or "v") in `layer`, float64."""
-    t = stats.tensors
-    n = max(int(t[f"{kind}.count"][layer]), 1)
-    mean = t[f"{kind}.sum"][layer] / n
-    cov = t[f"{kind}.gram"][layer] / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)
-    delta = t[f"{kind}.delta_gram"][layer] / max(int(t[f"{kind}.delta_count"][layer]), 1)
-    return mean, cov, delta
-
-
-@dataclass
-class TensorFit:
-    """One (layer, K or V): its statistics and the per-head choices."""
-
-    kind: str
-    stat_kind: str  # "kpre", "k" or "v"
-    mean: Tensor
-    cov: Tensor
-    delta: Tensor
-    heads: list[HeadCode]
-    _cache: dict = field(default_factory=dict, repr=False)  # (head, HeadCode) -> PredictiveParams
-
-    def params(self, cfg: FitConfig, heads: list[HeadCode] | None = None):
-        out = []
-        for h, c in enumerate(heads or self.heads):
-            if (h, c) not in self._cache:
-                self._cache[(h, c)] = fit_head(
-                    self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
-                    inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
-                    allocation=cfg.bit_allocation,
-                    rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
-            out.append(self._cache[(h, c)])
-        return out
-
-    def spec(self, cfg: FitConfig, rotary_coords: int) -> tuple[TensorSpec, dict[str, Tensor]]:
-        roles = predictive_roles.stack_heads(self.params(cfg))
-        spec = TensorSpec(bits=2, kind="predictive", rotation="learned", rotary_coords=rotary_coords,
-                          token_bits=roles["channel_bits"].sum(-1).tolist(),
-                          anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(), temporal=cfg.temporal)
-        return spec, roles
-
-
-def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None,
-                only: int | None = None) -> Tensor:
-    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary);
-    with `only` = h, head h alone from a one-head `trace` (`Trace.layer(..., heads=...)`): [B, 1, F, T, D]."""
-    x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
-    params = fit.params(cfg, heads)
-    pairs = list(enumerate(params)) if only is None else [(0, params[only])]
-    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal) for i, p in pairs], dim=1)
-    return trace.rotate(out) if fit.stat_kind == "kpre" else out
-
-
-def head_objective(trace: LayerTrace, reference: Tensor, k_hat: Tensor | None, v_hat: Tensor | None, lam: float) -> Tensor:
-    """Per-head objective [H] of one layer with these reconstructions (None = full precision)."""
-    return head_scores(reference, attention_outputs(trace, k_hat, v_hat)).objective(lam)
-
-
-def assemble(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, rotary_coords: int,
-             name: str = "ours") -> Recipe:
-    layers, tensors = [], {}
-    for i, pair in enumerate(fits):
-        specs = {}
-        for kind in KINDS:
-            spec, roles = pair[kind].spec(cfg, rotary_coords if kind == "k" and pair[kind].stat_kind == "kpre" else 0)
-            specs[kind] = spec
-            tensors.update({f"layers.{i}.{kind}.{role}": t for role, t in roles.items()})
-        layers.append(LayerSpec(**specs))
-    policy = TokenPolicy(sink_frames=0, recent_frames=0)
-    notes = "predictive transform codes fitted by calibrate (see metadata 'fit')"
-    return Recipe(info, Scheme(name=name, layers=layers, policy=policy, notes=notes), tensors)
 
 
 def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cfg: FitConfig, window: int,
@@ -166,9 +88,10 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
         if shard.owns(layer):
             trace = traces[layer]
             refs[layer] = attention_outputs(trace)
-            entry = _layer_steps(layer, trace, refs[layer], stats, cfg, pre, base_bits)
+            entry = _layer_steps(layer, trace, refs[layer], stats, cfg, pre, {kind: [base_bits] * info.num_kv_heads
+                                                                                for kind in KINDS})
         entry = shard.share(layer, entry)
-        fits.append({kind: TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer),
+        fits.append({kind: TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer),
                                      [HeadCode(base_bits, a, b) for a, b in zip(entry[kind]["intra_mult"],
                                                                                  entry[kind]["inter_mult"])])
                      for kind in KINDS})
@@ -179,6 +102,9 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     record["base_width"], record["base_bits"] = base_bits, bits_per_element(info, recipe.scheme, window, sink_frames)
     record["upgrades"] = _allocate(info, traces, refs, fits, cfg, window, sink_frames, rotary_coords, shard) \
         if cfg.mixed_precision else []
+    if cfg.refine_steps and record["upgrades"]:
+        record["refined"] = _refine_steps(info, traces, refs, fits, stats, cfg, pre, rotary_coords, window,
+                                          sink_frames, shard)
     recipe = assemble(info, fits, cfg, rotary_coords)
     record["bits_per_element"] = bits_per_element(info, recipe.scheme, window, sink_frames)
     record["head_bits"] = {f"{i}.{kind}": [c.avg_bits for c in pair[kind].heads] for i, pair in enumerate(fits)
@@ -186,14 +112,36 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     return recipe, record, fits
 
 
-def _stat_kind(kind: str, pre: bool) -> str:
-    return "kpre" if (kind == "k" and pre) else kind
+def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, rotary_coords: int, window: int,
+                  sink_frames: int, shard: Shard) -> list[dict]:
+    """Search every head's step multipliers again at the width the allocator left it (step 4 of
+    the module docstring), layer by layer; a layer whose new steps would take the recipe past
+    `fit.budget_bits` (they change the anchors' widths) keeps its base-width steps."""
+    out = []
+    for layer in tqdm(range(info.num_layers), desc="steps at the final widths", unit="layer"):
+        entry = None
+        if shard.owns(layer):
+            widths = {kind: [c.avg_bits for c in fits[layer][kind].heads] for kind in KINDS}
+            entry = _layer_steps(layer, traces[layer], refs[layer], stats, cfg, pre, widths)
+        entry = shard.share(layer, entry)
+        before = {kind: fits[layer][kind].heads for kind in KINDS}
+        for kind in KINDS:
+            fits[layer][kind].heads = [replace(c, intra_mult=a, inter_mult=b) for c, a, b in
+                                       zip(before[kind], entry[kind]["intra_mult"], entry[kind]["inter_mult"])]
+        scheme = assemble(info, fits, cfg, rotary_coords).scheme
+        entry["kept"] = bits_per_element(info, scheme, window, sink_frames) <= cfg.budget_bits + 1e-9
+        if not entry["kept"]:
+            for kind in KINDS:
+                fits[layer][kind].heads = before[kind]
+        out.append(entry)
+    return out
 
 
 def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStats, cfg: FitConfig, pre: bool,
-                 base_bits: float) -> dict:
-    """One layer's step multipliers per head: K with V in full precision, then V with the fitted K,
-    each the pair of `fit.intra_mults` x `fit.inter_mults` with the lowest objective per head.
+                 widths: dict[str, list[float]]) -> dict:
+    """One layer's step multipliers per head at `widths` (bits per component per head): K with V in
+    full precision, then V with the fitted K, each the pair of `fit.intra_mults` x `fit.inter_mults`
+    with the lowest objective per head.
 
     Each axis grows past its top (x `GRID_GROWTH`, up to `fit.intra_mult_max` / `fit.inter_mult_max`)
     while some head's best pair sits at that top: no fixed grid knows how wide a model's tails are
@@ -203,13 +151,13 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
     lam = cfg.lambda_temporal
     entry, k_hat = {}, None
     for kind in KINDS:
-        fit = TensorFit(kind, _stat_kind(kind, pre), *moments(stats, _stat_kind(kind, pre), layer), [])
+        fit = TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer), [])
         H = fit.mean.shape[0]
         axes, caps, scores = (list(cfg.intra_mults), list(cfg.inter_mults)), (cfg.intra_mult_max, cfg.inter_mult_max), {}
         while True:
             for pair in product(*axes):
                 if pair not in scores:
-                    fit.heads = [HeadCode(base_bits, *pair)] * H
+                    fit.heads = [HeadCode(w, *pair) for w in widths[kind]]
                     hat = reconstruct(trace, fit, cfg)
                     scores[pair] = head_objective(trace, reference, hat if kind == "k" else k_hat,
                                                   hat if kind == "v" else None, lam)
@@ -224,7 +172,7 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
             if not grown:
                 break
         if kind == "k":
-            fit.heads = [HeadCode(base_bits, *grid[i]) for i in best]
+            fit.heads = [HeadCode(w, *grid[i]) for w, i in zip(widths[kind], best)]
             k_hat = reconstruct(trace, fit, cfg)
         entry[kind] = {"intra_mult": [grid[i][0] for i in best], "inter_mult": [grid[i][1] for i in best],
                        "why": "lowest teacher-forced objective per head over the grid (fit.intra_mults x "

@@ -1,0 +1,107 @@
+"""The predictive fitter's pieces (fit/predictive_search.py runs the search): what it sets per
+head (`HeadCode`), one tensor's statistics and choices (`TensorFit`), the reconstruction and
+objective of a candidate, and the recipe a set of choices makes (`assemble`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from calibrate import predictive_roles
+from calibrate.config import FitConfig
+from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
+from calibrate.fit.predictive import fit_head
+from calibrate.quant.predictive import fake_quant_sequence
+from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
+from calibrate.stats import KVStats
+
+KINDS = ("k", "v")
+
+
+@dataclass(frozen=True)
+class HeadCode:
+    """What the search sets for one head of one tensor."""
+
+    avg_bits: float
+    intra_mult: float
+    inter_mult: float
+
+
+def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean [H, D], covariance [H, D, D], frame-to-frame change second moment [H, D, D]) of
+    `kind` ("k", "kpre" or "v") in `layer`, float64."""
+    t = stats.tensors
+    n = max(int(t[f"{kind}.count"][layer]), 1)
+    mean = t[f"{kind}.sum"][layer] / n
+    cov = t[f"{kind}.gram"][layer] / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+    delta = t[f"{kind}.delta_gram"][layer] / max(int(t[f"{kind}.delta_count"][layer]), 1)
+    return mean, cov, delta
+
+
+@dataclass
+class TensorFit:
+    """One (layer, K or V): its statistics and the per-head choices."""
+
+    kind: str
+    stat_kind: str  # "kpre", "k" or "v"
+    mean: Tensor
+    cov: Tensor
+    delta: Tensor
+    heads: list[HeadCode]
+    _cache: dict = field(default_factory=dict, repr=False)  # (head, HeadCode) -> PredictiveParams
+
+    def params(self, cfg: FitConfig, heads: list[HeadCode] | None = None):
+        out = []
+        for h, c in enumerate(heads or self.heads):
+            if (h, c) not in self._cache:
+                self._cache[(h, c)] = fit_head(
+                    self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
+                    inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
+                    allocation=cfg.bit_allocation,
+                    rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
+            out.append(self._cache[(h, c)])
+        return out
+
+    def spec(self, cfg: FitConfig, rotary_coords: int) -> tuple[TensorSpec, dict[str, Tensor]]:
+        roles = predictive_roles.stack_heads(self.params(cfg))
+        spec = TensorSpec(bits=2, kind="predictive", rotation="learned", rotary_coords=rotary_coords,
+                          token_bits=roles["channel_bits"].sum(-1).tolist(),
+                          anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(), temporal=cfg.temporal)
+        return spec, roles
+
+
+def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[HeadCode] | None = None,
+                only: int | None = None) -> Tensor:
+    """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary);
+    with `only` = h, head h alone from a one-head `trace` (`Trace.layer(..., heads=...)`): [B, 1, F, T, D]."""
+    x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
+    params = fit.params(cfg, heads)
+    pairs = list(enumerate(params)) if only is None else [(0, params[only])]
+    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal) for i, p in pairs], dim=1)
+    return trace.rotate(out) if fit.stat_kind == "kpre" else out
+
+
+def head_objective(trace: LayerTrace, reference: Tensor, k_hat: Tensor | None, v_hat: Tensor | None, lam: float) -> Tensor:
+    """Per-head objective [H] of one layer with these reconstructions (None = full precision)."""
+    return head_scores(reference, attention_outputs(trace, k_hat, v_hat)).objective(lam)
+
+
+def assemble(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, rotary_coords: int,
+             name: str = "ours") -> Recipe:
+    layers, tensors = [], {}
+    for i, pair in enumerate(fits):
+        specs = {}
+        for kind in KINDS:
+            spec, roles = pair[kind].spec(cfg, rotary_coords if kind == "k" and pair[kind].stat_kind == "kpre" else 0)
+            specs[kind] = spec
+            tensors.update({f"layers.{i}.{kind}.{role}": t for role, t in roles.items()})
+        layers.append(LayerSpec(**specs))
+    policy = TokenPolicy(sink_frames=0, recent_frames=0)
+    notes = "predictive transform codes fitted by calibrate (see metadata 'fit')"
+    return Recipe(info, Scheme(name=name, layers=layers, policy=policy, notes=notes), tensors)
+
+
+def stat_kind(kind: str, pre: bool) -> str:
+    return "kpre" if (kind == "k" and pre) else kind
