@@ -12,6 +12,8 @@ at a time at the same budget:
     ours_uncoded_as_variance  (an addition, not an ablation) water-filling that prices an uncoded
                          component at its whole variance (fit/predictive.py)
     ours_no_mixed        no mixed precision (every head at the base width)
+    ours_no_refine       the step multipliers of the base width kept after mixed precision
+                         (fit.refine_steps=false, the previous release)
     ours_wide_base       every head starting at the widest base width up to 2 bits per component
                          (fit.base_bits_max=2, the previous release): the allocator cannot leave a
                          tensor narrower than that
@@ -68,6 +70,7 @@ ABLATIONS = {
     "ours_uniform_bits": {"bit_allocation": "uniform"},
     "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance"},
     "ours_no_mixed": {"mixed_precision": False},
+    "ours_no_refine": {"refine_steps": False},
     "ours_wide_base": {"base_bits_max": 2.0},
     "ours_closed_loop": {"closed_loop_scales": [0.7, 1.0, 1.4, 2.0]},
     "ours_lambda0": {"lambda_temporal": 0.0},
