@@ -133,7 +133,8 @@ def fit_counts(m: Model, run: Run) -> dict[str, float]:
     fitted head codes               2 L H (grid + 2) + 2 U     (fit/predictive.fit_head: PCA + widths)
 
     and with `refine_steps` the step grid once more: L 2 grid layer passes, L H (2 grid + 1)
-    sequences, 2 L H grid codes.
+    sequences, 2 L H grid codes (at most: a tensor the allocator left at the base width reuses
+    its first search, so this over-counts a model whose keys keep the base, as TinyWorld's do).
     """
     u, r = upgrades(m, run), int(run.refine_steps)
     L, H, g = m.layers, m.heads, run.grid

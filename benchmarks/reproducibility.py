@@ -5,8 +5,8 @@
 
 Without `--recipe` it runs the default `python -m calibrate` in a child process (into
 artifacts/runs/reproducibility/<time>) and measures it: wall time, the child's user CPU and peak
-RSS (`resource.getrusage`), torch threads as the environment sets them, the load average around
-it. Then it compares that recipe with `--against`, as README's "Reproducibility" states them:
+RSS (`resource.getrusage`), the torch threads it chose (its log's "torch threads" line: by the
+load unless OMP_NUM_THREADS is set), the load average around it. Then it compares that recipe with `--against`, as README's "Reproducibility" states them:
 the scheme (every choice) and every integer tensor equal, float tensors within ANOTHER_CPU (the
 bound `tests/test_reliability.py` holds two MKL kernel sets to), the fit record's scores allowed to
 differ in their last digits. The report names the CPU (/proc/cpuinfo) and MKL_CBWR.
@@ -56,7 +56,9 @@ def default_run(run_dir: Path) -> dict:
     if run.returncode != 0:
         sys.exit(f"error: python -m calibrate failed (exit {run.returncode}): {run.stderr.strip().splitlines()[-1:]}")
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"recipe": run_dir / "recipe.safetensors", "wall_s": wall, "user_s": usage.ru_utime,
+    log = (run_dir / "__main__.log").read_text() if (run_dir / "__main__.log").is_file() else ""
+    threads = next((line.split("torch threads: ", 1)[1] for line in log.splitlines() if "torch threads: " in line), "?")
+    return {"recipe": run_dir / "recipe.safetensors", "wall_s": wall, "user_s": usage.ru_utime, "threads": threads,
             "peak_rss_mib": usage.ru_maxrss / 1024, "load_start": [round(x, 1) for x in load0],
             "load_end": [round(x, 1) for x in os.getloadavg()]}
 
@@ -97,12 +99,12 @@ def markdown(res: dict, run: dict | None, recipe: Path, against: Path, command: 
     ok = d["same_names"] and all(d["metadata"].values()) and all(r["within"] for r in roles.values())
     lines = ["# Reproducibility: the default run's recipe against the shipped one", "",
              f"- command: `{command}`; date: {res['date']}",
-             f"- machine: {res['cpu']}; torch {torch.__version__}, torch threads: {torch.get_num_threads()}; "
+             f"- machine: {res['cpu']}; torch {torch.__version__}; "
              f"MKL_CBWR={os.environ.get('MKL_CBWR', '(unset)')}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"]
     if run:
         lines.append(f"- the default `python -m calibrate`: **{run['wall_s']:.0f} s wall**, {run['user_s']:.0f} s user CPU, "
-                     f"{run['peak_rss_mib']:.0f} MiB peak RSS (load average {run['load_start']} at the start, "
-                     f"{run['load_end']} at the end)")
+                     f"{run['peak_rss_mib']:.0f} MiB peak RSS, torch threads {run['threads']} (load average "
+                     f"{run['load_start']} at the start, {run['load_end']} at the end)")
     lines += [f"- compared: `{recipe}` against `{against}`", "",
               "| metadata section | equal |", "|---|---|"]
     lines += [f"| {k} | {'yes' if v else '**no**'} |" for k, v in d["metadata"].items()]

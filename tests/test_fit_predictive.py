@@ -295,6 +295,28 @@ def test_steps_are_searched_again_at_the_widths_the_allocator_left(model):
             assert [c.intra_mult for c in off_fits[layer][kind].heads] == base[kind]["intra_mult"]
 
 
+def test_a_tensor_left_at_the_base_width_reuses_its_first_search(model, monkeypatch):
+    """The second search takes the first search's answer for a tensor whose heads all kept the base
+    width (and, for V, whose layer's K did too): that answer equals searching it again, scores and
+    all, and the reuse happens on the tiny world."""
+    from calibrate.fit import predictive_search as ps
+
+    search, reused = ps._layer_steps, []
+
+    def checked(layer, trace, reference, stats, cfg, pre, widths, known=None):
+        out = search(layer, trace, reference, stats, cfg, pre, widths, known)
+        if known:
+            again = search(layer, trace, reference, stats, cfg, pre, widths)
+            assert out == again
+            reused.extend((layer, kind) for kind in known)
+        return out
+
+    monkeypatch.setattr(ps, "_layer_steps", checked)
+    _, record, _ = _search(model)
+    widened = {(u["layer"], u["tensor"]) for u in record["upgrades"]}
+    assert reused and not widened & set(reused)
+
+
 def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
     """A layer whose re-searched steps widen its anchors past fit.budget_bits keeps its base-width
     steps: here every re-search returns the finest pair (the widest anchors) and the budget is the
@@ -306,7 +328,7 @@ def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
     before = {(layer, kind): list(pair[kind].heads) for layer, pair in enumerate(fits) for kind in ("k", "v")}
     info = as_world(model).info
 
-    def finest(layer, trace, reference, stats, cfg, pre, widths):
+    def finest(layer, trace, reference, stats, cfg, pre, widths, known=None):
         return {kind: {"intra_mult": [min(cfg.intra_mults)] * len(w), "inter_mult": [min(cfg.inter_mults)] * len(w)}
                 for kind, w in widths.items()}
 
@@ -314,7 +336,8 @@ def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
     tight = replace(cfg, budget_bits=record["bits_per_element"])
     rotary = 3  # TinyWorld's rotary coordinates (the pose: x, y, yaw)
     L = info.num_layers
-    refined = ps._refine_steps(info, [None] * L, [None] * L, fits, None, tight, True, rotary, 16, 1, ps.Shard())
+    refined = ps._refine_steps(info, [None] * L, [None] * L, fits, None, tight, True, rotary, 16, 1, ps.Shard(),
+                               record["layers"], record["base_width"])
     assert bits_per_element(info, ps.assemble(info, fits, tight, rotary).scheme, 16, 1) <= tight.budget_bits + 1e-9
     assert not all(e["kept"] for e in refined)
     for layer, entry in enumerate(refined):

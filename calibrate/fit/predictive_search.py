@@ -104,7 +104,7 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
         if cfg.mixed_precision else []
     if cfg.refine_steps and record["upgrades"]:
         record["refined"] = _refine_steps(info, traces, refs, fits, stats, cfg, pre, rotary_coords, window,
-                                          sink_frames, shard)
+                                          sink_frames, shard, record["layers"], base_bits)
     recipe = assemble(info, fits, cfg, rotary_coords)
     record["bits_per_element"] = bits_per_element(info, recipe.scheme, window, sink_frames)
     record["head_bits"] = {f"{i}.{kind}": [c.avg_bits for c in pair[kind].heads] for i, pair in enumerate(fits)
@@ -113,16 +113,25 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
 
 
 def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, rotary_coords: int, window: int,
-                  sink_frames: int, shard: Shard) -> list[dict]:
+                  sink_frames: int, shard: Shard, base: list[dict], base_bits: float) -> list[dict]:
     """Search every head's step multipliers again at the width the allocator left it (step 4 of
     the module docstring), layer by layer; a layer whose new steps would take the recipe past
-    `fit.budget_bits` (they change the anchors' widths) keeps its base-width steps."""
+    `fit.budget_bits` (they change the anchors' widths) keeps its base-width steps.
+
+    A tensor whose heads all kept the base width has its answer in `base` (the first search, same
+    inputs): it is reused, not searched again (on TinyWorld every key: half the second search)."""
     out = []
     for layer in tqdm(range(info.num_layers), desc="steps at the final widths", unit="layer"):
         entry = None
         if shard.owns(layer):
             widths = {kind: [c.avg_bits for c in fits[layer][kind].heads] for kind in KINDS}
-            entry = _layer_steps(layer, traces[layer], refs[layer], stats, cfg, pre, widths)
+            known = {}
+            for kind in KINDS:
+                if kind == "v" and "k" not in known:
+                    break  # V's search reads the fitted K: new K steps make it a new question
+                if all(w == base_bits for w in widths[kind]):
+                    known[kind] = base[layer][kind]
+            entry = _layer_steps(layer, traces[layer], refs[layer], stats, cfg, pre, widths, known)
         entry = shard.share(layer, entry)
         before = {kind: fits[layer][kind].heads for kind in KINDS}
         for kind in KINDS:
@@ -138,21 +147,28 @@ def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, ro
 
 
 def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStats, cfg: FitConfig, pre: bool,
-                 widths: dict[str, list[float]]) -> dict:
+                 widths: dict[str, list[float]], known: dict[str, dict] | None = None) -> dict:
     """One layer's step multipliers per head at `widths` (bits per component per head): K with V in
     full precision, then V with the fitted K, each the pair of `fit.intra_mults` x `fit.inter_mults`
-    with the lowest objective per head.
+    with the lowest objective per head. A kind in `known` takes that entry instead of a search.
 
     Each axis grows past its top (x `GRID_GROWTH`, up to `fit.intra_mult_max` / `fit.inter_mult_max`)
     while some head's best pair sits at that top: no fixed grid knows how wide a model's tails are
     (WanWorld's heads took 1.7, the old intra grid's top, in all 16 heads, and 3.0 in 12 of 16 with
     the grid widened to 3.0; each widening gained in the rollout, `wanworld_intra_grid.md`). The
     inter axis's cap is its top by default: it does not grow."""
-    lam = cfg.lambda_temporal
+    lam, known = cfg.lambda_temporal, known or {}
     entry, k_hat = {}, None
     for kind in KINDS:
         fit = TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer), [])
         H = fit.mean.shape[0]
+        if kind in known:
+            entry[kind] = known[kind]
+            if kind == "k":
+                fit.heads = [HeadCode(w, a, b) for w, a, b in
+                             zip(widths[kind], known[kind]["intra_mult"], known[kind]["inter_mult"])]
+                k_hat = reconstruct(trace, fit, cfg)
+            continue
         axes, caps, scores = (list(cfg.intra_mults), list(cfg.inter_mults)), (cfg.intra_mult_max, cfg.inter_mult_max), {}
         while True:
             for pair in product(*axes):
