@@ -23,7 +23,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    table (fit/predictive.py) assumes Gaussian tails, and the heavier tails of real K/V want a
    wider grid the more levels it has. Steps searched at the base width and kept after the
    allocator tripled a head's bits were too fine there, and the rollout showed it (README,
-   Fitting). A layer whose new steps would cross the budget (anchors widen) keeps the old ones.
+   Fitting). A layer whose new steps would cross the budget (anchors widen) keeps the old ones;
+   a tensor the allocator left at the base width keeps its first answer without a second search.
 5. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
    other than [1.0], the recipe with its inter steps scaled by each rolls out on calibration
    trajectories and the best one ships. It did not earn its place: on held-out rollouts it
