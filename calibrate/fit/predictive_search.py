@@ -120,7 +120,7 @@ def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, ro
     `fit.budget_bits` (they change the anchors' widths) keeps its base-width steps.
 
     A tensor whose heads all kept the base width has its answer in `base` (the first search, same
-    inputs): it is reused, not searched again (on TinyWorld every key: half the second search)."""
+    inputs): it is reused, not searched again (on TinyWorld: every key)."""
     out = []
     for layer in tqdm(range(info.num_layers), desc="steps at the final widths", unit="layer"):
         entry = None
