@@ -131,6 +131,9 @@ def check_overrides(args: list[str]) -> None:
     keys = None
     for o in parsed:
         key = o.key_or_group
+        if key == "hydra.run.dir" and not o.is_sweep_override() and not str(o.value()).strip():
+            raise ValueError("config: hydra.run.dir is empty (it would write into the current directory); give the run's "
+                             "directory, or leave it out for artifacts/runs/<task>/<time>")
         if key == "hydra" or o.is_hydra_override() or o.package is not None or o.is_delete():
             continue
         if key in groups:
@@ -146,6 +149,39 @@ def check_overrides(args: list[str]) -> None:
             close = difflib.get_close_matches(key, keys + list(groups), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"config: unknown key '{key}'{hint}; `python -m calibrate --cfg job` lists them all")
+    _check_keys_in_composition(parsed, groups)
+
+
+def _check_keys_in_composition(parsed: list, groups: dict[str, list[str]]) -> None:
+    """A key the schema knows that the chosen options leave out (`model.wan.*` with
+    model=tinyworld; `quant.budget_bits`, which the fitter sets), as one line instead of
+    Hydra's several. Composes the config with the command line's group choices."""
+    from hydra import compose, initialize_config_dir
+
+    if any(o.is_sweep_override() for o in parsed):
+        return  # a multirun: Hydra composes each job and reports its own errors
+    choices = [o.input_line for o in parsed if o.key_or_group in groups and o.package is None]
+    values = [o for o in parsed if o.key_or_group not in groups and not o.is_hydra_override() and o.key_or_group != "hydra"
+              and o.package is None and not o.is_delete() and not o.is_add() and not o.is_force_add()]
+    if not values:
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose("config", overrides=choices)
+    for o in values:
+        if OmegaConf.select(composed, o.key_or_group, default=_ABSENT) is _ABSENT:
+            key, model = o.key_or_group, composed.model.name
+            if key.startswith("model.wan.") and "wan" not in composed.model:
+                raise ValueError(f"config: model={model} has no setting '{key}': model.wan.* configures the Wan "
+                                 f"models (model=wan_diffusers, wanworld)")
+            if key == "quant.budget_bits":
+                raise ValueError("config: quant.budget_bits is not set on the command line; give fit.budget_bits "
+                                 "(a preset must then fit in it)")
+            if key.startswith("model."):
+                raise ValueError(f"config: model={model} has no setting '{key}' (conf/model/{model}.yaml lists its settings)")
+            raise ValueError(f"config: '{key}' is not a setting with these options (model={model})")
+
+
+_ABSENT = object()
 
 
 # ---- the task ---------------------------------------------------------------------------------
@@ -231,6 +267,11 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--version"]:  # Hydra's own flag names only Hydra
+        from importlib.metadata import version
+
+        print(f"calibrate {version('calibrate')} (Hydra {version('hydra-core')}, torch {version('torch')})")
+        return
     try:
         check_overrides(sys.argv[1:])
     except ValueError as e:

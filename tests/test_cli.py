@@ -230,6 +230,15 @@ CASES = [
          subprocess=True),
     Case("misspelt-nested-key", ["task=stats", "model.cache.windw=4"], ["model.cache.windw", "model.cache.window"]),
     Case("unparseable-override", ["fit.clip_grid=[1.0"], ["cannot parse", "fit.clip_grid=[1.0"]),
+    Case("wan-setting-for-tinyworld", ["model.wan.chunk_frames=3"],
+         ["model=tinyworld has no setting 'model.wan.chunk_frames'", "model=wan_diffusers, wanworld"], subprocess=True),
+    Case("wan-setting-wanworld-lacks", ["model=wanworld", "model.wan.config=x"],
+         ["model=wanworld has no setting 'model.wan.config'", "conf/model/wanworld.yaml"]),
+    Case("fitter-set-budget", ["quant.budget_bits=3"], ["quant.budget_bits", "fit.budget_bits"]),
+    Case("check-shorter-set", ["task=check", "recipe=tinyworld-ours-2bit", "check.num_frames=8"],
+         ["measured on the check set (4 x 128 frames)", "check (4 x 8 frames)", "check.min_psnr_db"]),
+    Case("check-another-set", ["task=check", "recipe=tinyworld-ours-2bit", "trajectories=quick"],
+         ["measured on the check set (4 x 128 frames)", "quick", "check.max_flicker"]),
     Case("negative-num-frames", ["trajectories.num_frames=-1"], ["trajectories.num_frames", "-1"], subprocess=True),
     Case("zero-num-trajectories", ["trajectories.num_trajectories=0"], ["trajectories.num_trajectories", "0"]),
     Case("unknown-family", ["trajectories.families=[orbit,nope]"], ["family", "nope"]),
@@ -306,6 +315,22 @@ def test_bad_input_fails_with_one_clear_line_and_overwrites_nothing(case, files,
         assert (run_dir / name).read_bytes() == data, f"{name} was overwritten"
     left = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()} - set(SENTINELS) - ALLOWED_AFTER_FAILURE
     assert not left, f"a failed run left {sorted(left)}"
+
+
+def test_an_empty_run_dir_is_refused_before_anything_is_written():
+    """hydra.run.dir= (empty) would write the run's files into the current directory."""
+    from calibrate.__main__ import check_overrides
+
+    for value in ("", "''", "  "):
+        with pytest.raises(ValueError, match="hydra.run.dir is empty"):
+            check_overrides(["task=stats", f"hydra.run.dir={value}"])
+    check_overrides(["task=stats", "hydra.run.dir=out"])
+
+
+def test_version_names_calibrate():
+    run = subprocess.run([sys.executable, "-m", "calibrate", "--version"], cwd=REPO, env=env(), capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("calibrate 0.") and "Hydra" in run.stdout, run.stdout
 
 
 # ---- the happy path, --help, --cfg ---------------------------------------------------------------
