@@ -5,7 +5,8 @@ metadata, `summary_metrics` of evaluate/report.py). The gate replays the same se
 recipe (pipeline.run_check) and judges each criterion: the recorded PSNR (overall and per time
 window) minus `check.tolerance_db`, the recorded flicker times 1 + `check.flicker_tolerance`,
 or the absolute floors `check.min_psnr_db` / `check.max_flicker` when given. The verdict is
-written as `check.json` and as a JUnit `check.xml` that CI systems display per criterion.
+written as `check.json` and as a JUnit `check.xml` that CI systems display per criterion;
+`check.json` last, so a run that failed to write its outputs leaves no new verdict.
 """
 
 from __future__ import annotations
@@ -13,13 +14,30 @@ from __future__ import annotations
 from dataclasses import replace
 from xml.sax.saxutils import quoteattr
 
-from calibrate.config import CheckConfig, Config, check_set
+from calibrate.config import CheckConfig, Config, TrajectoriesConfig, check_set
 
 
 def check_trajectories(cfg: Config, recorded: dict | None = None) -> Config:
     """`cfg` with the CI gate's trajectory set (`config.check_set`: conf/trajectories/check.yaml,
     count and length from `check.*` or the set a recipe `recorded` its check metrics on)."""
     return replace(cfg, trajectories=check_set(cfg, recorded))
+
+
+def check_comparable(trajectories: TrajectoriesConfig, recorded: dict | None, c: CheckConfig) -> None:
+    """A recipe's recorded metrics are thresholds for the set they were measured on only: replaying
+    another set (trajectories=..., check.num_*) against them is refused, unless both thresholds
+    are given (`check.min_psnr_db`, `check.max_flicker`)."""
+    if not recorded or (c.min_psnr_db is not None and c.max_flicker is not None):
+        return
+    want = recorded.get("trajectories") or {}
+    got = {"num_trajectories": trajectories.num_trajectories, "num_frames": trajectories.num_frames}
+    same = trajectories.name == "check" and not trajectories.file and all(got[k] == v for k, v in want.items() if k in got)
+    if not same:
+        n, f = want.get("num_trajectories", "?"), want.get("num_frames", "?")
+        raise ValueError(f"check: the recipe's thresholds were measured on the check set ({n} x {f} frames); this run "
+                         f"would replay {trajectories.file or trajectories.name} ({got['num_trajectories']} x "
+                         f"{got['num_frames']} frames) against them: drop the trajectories / check.num_* overrides, or "
+                         f"give check.min_psnr_db and check.max_flicker")
 
 
 def check_criteria(measured: dict, recorded: dict | None, c: CheckConfig) -> list[dict]:
@@ -55,9 +73,14 @@ def verdict(recipe_path: str, measured: dict, criteria: list[dict]) -> dict:
             "summary": "all criteria pass" if passed else f"{len(failed)} criteria regressed: {', '.join(failed)}"}
 
 
+def _number(x: float) -> str:
+    """4 decimals, or 4 significant digits for a small value (a tiny model's flicker: 3.2e-06)."""
+    return f"{x:.4f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3e}"
+
+
 def markdown_table(criteria: list[dict]) -> str:
     lines = ["| criterion | measured | threshold | result |", "|---|---|---|---|"]
-    lines += [f"| {c['name']} | {c['measured']:.4f} | {c['comparison']} {c['threshold']:.4f} | "
+    lines += [f"| {c['name']} | {_number(c['measured'])} | {c['comparison']} {_number(c['threshold'])} | "
               f"{'pass' if c['passed'] else 'FAIL'} |" for c in criteria]
     return "\n".join(lines)
 

@@ -68,7 +68,8 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     """Call ``write(f)`` on a temporary file next to ``path``, then rename it onto ``path``.
 
     The parent directory is created if needed; on any error the temporary file is removed and
-    ``path`` is left as it was. Temporary files of killed writers in that directory are removed.
+    ``path`` is left as it was (an `OSError` that names no file, such as a full disk, is raised
+    again naming ``path``). Temporary files of killed writers in that directory are removed.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +82,10 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # a full disk names no file
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return path
 

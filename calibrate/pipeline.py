@@ -368,6 +368,7 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
         # the default set of a check is the check set, as long as the recipe measured it
         cfg = gate.check_trajectories(cfg, (recorded or {}).get("trajectories"))
+    gate.check_comparable(cfg.trajectories, recorded, cfg.check)
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
@@ -375,9 +376,9 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     rep = report_mod.build(runs, [], {}, cfg.eval.psnr_threshold_db)
     measured = summary_metrics(rep)
     result = gate.verdict(cfg.recipe, measured, gate.check_criteria(measured, recorded, cfg.check))
-    write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})
-    write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
     write_report_html(out_dir / "report.html", rep, runs, sheets, command_line(), check=result)
+    write_text_atomic(out_dir / "check.xml", gate.junit_xml(result["criteria"], str(cfg.recipe)))
+    write_json(out_dir / "check.json", {k: v for k, v in result.items() if k != "summary"})  # the verdict last
     print(gate.markdown_table(result["criteria"]))
     print(f"report: {out_dir / 'report.html'} (open in a browser); {out_dir / 'check.json'}, {out_dir / 'check.xml'}")
     return result

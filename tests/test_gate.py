@@ -97,3 +97,14 @@ def test_report_schema(tmp_path):
     frames = load_file(str(tmp_path / "frames.safetensors"))
     recomputed = psnr(frames["naive2.batch0.quantized"], frames["reference.batch0"]).mean(0)
     torch.testing.assert_close(recomputed, torch.tensor(data["schemes"]["naive2"]["per_frame"]["psnr_ref"], dtype=recomputed.dtype))
+
+
+def test_the_criteria_table_shows_a_tiny_threshold_instead_of_zero():
+    """A tiny random model's flicker (1e-6) printed with 4 decimals read `0.0000 <= 0.0000`."""
+    from calibrate import gate
+
+    table = gate.markdown_table([
+        {"name": "psnr_ref_all", "measured": 46.75889, "threshold": 45.75889, "comparison": ">=", "passed": True},
+        {"name": "flicker", "measured": 3.21e-06, "threshold": 4.0e-06, "comparison": "<=", "passed": True}])
+    assert "| psnr_ref_all | 46.7589 | >= 45.7589 | pass |" in table
+    assert "| flicker | 3.210e-06 | <= 4.000e-06 | pass |" in table

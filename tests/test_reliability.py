@@ -241,6 +241,25 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write_and_a_live_ones
 
 
 # ---- same config and seed -> byte-identical recipe --------------------------------------------
+def test_a_write_failing_without_a_file_name_names_its_target_and_leaves_it_alone(tmp_path):
+    """A full disk (ENOSPC from write or fsync) names no file; the error must name the target."""
+    import errno
+
+    from calibrate.io import write_atomic
+
+    target = tmp_path / "check.json"
+    target.write_text("earlier")
+
+    def full_disk(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        write_atomic(target, full_disk)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target) and str(target) in str(e.value)
+    assert target.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["check.json"]
+
+
 def test_baseline_recipe_bytes_identical_in_process_and_across_processes(model, tmp_path):
     info = as_world(model).info
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
