@@ -154,6 +154,7 @@ def test_bad_checkpoints_fail_with_one_line(tiny, tmp_path):
     (tmp_path / "garbage.safetensors").write_bytes(os.urandom(64))
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "text.pt").write_text("hello")
+    (tmp_path / "prose.pt").write_text("not a checkpoint\n")  # torch: "Unsupported operand 110", not code
     torch.save(orig, tmp_path / "full.pt")
     (tmp_path / "cut.pt").write_bytes((tmp_path / "full.pt").read_bytes()[:300])
     cases = {
@@ -168,6 +169,7 @@ def test_bad_checkpoints_fail_with_one_line(tiny, tmp_path):
         "notes.txt": "not a diffusers model directory, a .safetensors file or a state dict",
         "missing.pt": "no such file or directory",
         "text.pt": "is not a readable checkpoint",
+        "prose.pt": "is not a readable checkpoint",
         "cut.pt": "is not a readable checkpoint",
     }
     for name, message in cases.items():

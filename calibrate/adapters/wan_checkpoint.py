@@ -138,6 +138,13 @@ def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, Tensor) for v in obj.values())
 
 
+def _pickled(path: Path) -> bool:
+    """torch.save's zip container, or a raw pickle (protocol 2+ opens with PROTO, 0x80): text that
+    happens to parse as a few pickle opcodes is neither."""
+    with open(path, "rb") as f:
+        return zipfile.is_zipfile(path) or f.read(1) == b"\x80"
+
+
 def read_file(path: Path, mmap: bool = True):
     """What the file holds: safetensors' tensors, or a pickle read with `weights_only=True`."""
     if not path.is_file():
@@ -162,7 +169,7 @@ def read_file(path: Path, mmap: bool = True):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
-        if not str(e).startswith("Weights only load failed"):  # not a pickle at all
+        if not str(e).startswith("Weights only load failed") or not _pickled(path):  # not a pickle at all
             raise AdapterError(f"model.weights: {path} is not a readable checkpoint ({str(e).splitlines()[0]})") from None
         found = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise AdapterError(f"model.weights: {path} was refused: it pickles Python objects, not only tensors"
