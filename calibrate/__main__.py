@@ -248,21 +248,25 @@ def _command_line_keys() -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
 
 
+def _exit(line: str, code: int) -> None:
+    """One line on stderr, then exit. On a terminal it starts on a line of its own: a progress bar
+    the failure interrupted leaves the cursor at the end of its own line."""
+    print(("\n" if sys.stderr.isatty() else "") + line, file=sys.stderr)
+    sys.exit(code)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         set_torch_threads()
         result = run(cfg)
     except CheckFailed as e:
-        print(f"check failed: {e}", file=sys.stderr)
-        sys.exit(1)
+        _exit(f"check failed: {e}", 1)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(f"error: {e}", 2)
     except KeyboardInterrupt:
-        print("interrupted: finished work is kept in the run directory; rerun the same command with the same "
-              "hydra.run.dir to resume", file=sys.stderr)
-        sys.exit(130)
+        _exit("interrupted: finished work is kept in the run directory; rerun the same command with the same "
+              "hydra.run.dir to resume", 130)
     log.info("done: %s", ", ".join(f"{k}={v}" for k, v in result.items() if isinstance(v, (str, int, float, bool))))
 
 
@@ -275,8 +279,7 @@ def main() -> None:
     try:
         check_overrides(sys.argv[1:])
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(f"error: {e}", 2)
     _hydra_main()
 
 
