@@ -23,20 +23,23 @@ def check_trajectories(cfg: Config, recorded: dict | None = None) -> Config:
     return replace(cfg, trajectories=check_set(cfg, recorded))
 
 
-def check_comparable(trajectories: TrajectoriesConfig, recorded: dict | None, c: CheckConfig) -> None:
+def check_comparable(cfg: Config, recorded: dict | None) -> None:
     """A recipe's recorded metrics are thresholds for the set they were measured on only: replaying
-    another set (trajectories=..., check.num_*) against them is refused, unless both thresholds
-    are given (`check.min_psnr_db`, `check.max_flicker`)."""
-    if not recorded or (c.min_psnr_db is not None and c.max_flicker is not None):
+    another set (`trajectories=...`, `check.num_*`) against them is refused, unless both thresholds
+    are given (`check.min_psnr_db`, `check.max_flicker`). `cfg.trajectories` is the set to replay."""
+    if not recorded or (cfg.check.min_psnr_db is not None and cfg.check.max_flicker is not None):
         return
-    want = recorded.get("trajectories") or {}
-    got = {"num_trajectories": trajectories.num_trajectories, "num_frames": trajectories.num_frames}
-    same = trajectories.name == "check" and not trajectories.file and all(got[k] == v for k, v in want.items() if k in got)
-    if not same:
-        n, f = want.get("num_trajectories", "?"), want.get("num_frames", "?")
-        raise ValueError(f"check: the recipe's thresholds were measured on the check set ({n} x {f} frames); this run "
-                         f"would replay {trajectories.file or trajectories.name} ({got['num_trajectories']} x "
-                         f"{got['num_frames']} frames) against them: drop the trajectories / check.num_* overrides, or "
+    asked = replace(cfg.check, num_trajectories=None, num_frames=None)
+    measured_on = check_trajectories(replace(cfg, check=asked), recorded).trajectories
+
+    def identity(t: TrajectoriesConfig) -> tuple:
+        return t.file or t.name, t.split, tuple(t.families), t.seed, t.num_trajectories, t.num_frames
+
+    if identity(cfg.trajectories) != identity(measured_on):
+        m, t = measured_on, cfg.trajectories
+        raise ValueError(f"check: the recipe's thresholds were measured on {m.file or m.name} ({m.num_trajectories} x "
+                         f"{m.num_frames} frames); this run would replay {t.file or t.name} ({t.num_trajectories} x "
+                         f"{t.num_frames} frames) against them: drop the trajectories / check.num_* overrides, or "
                          f"give check.min_psnr_db and check.max_flicker")
 
 

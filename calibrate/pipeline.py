@@ -368,7 +368,7 @@ def run_check(cfg: Config, out_dir: Path) -> dict:
     if cfg.trajectories.name == "calibration" and not cfg.trajectories.file:
         # the default set of a check is the check set, as long as the recipe measured it
         cfg = gate.check_trajectories(cfg, (recorded or {}).get("trajectories"))
-    gate.check_comparable(cfg.trajectories, recorded, cfg.check)
+    gate.check_comparable(cfg, recorded)
     trajs = trajectory_set(cfg)
     sheets = frame_sheets(cfg, out_dir, model, trajs, device)
     runs = evaluate(as_world(model), {"recipe": recipe}, trajs, cfg.model.cache.window,
