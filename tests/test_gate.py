@@ -108,3 +108,23 @@ def test_the_criteria_table_shows_a_tiny_threshold_instead_of_zero():
         {"name": "flicker", "measured": 3.21e-06, "threshold": 4.0e-06, "comparison": "<=", "passed": True}])
     assert "| psnr_ref_all | 46.7589 | >= 45.7589 | pass |" in table
     assert "| flicker | 3.210e-06 | <= 4.000e-06 | pass |" in table
+
+
+def test_a_check_replays_the_counts_the_recipe_recorded_and_refuses_others():
+    """Thresholds measured on 2 x 24 frames are compared on 2 x 24 (the counts the recipe recorded),
+    and refused on check.yaml's 4 x 128 or on 2 x 8. The first version read the counts from the
+    metrics dict instead of its `trajectories` and refused every recipe not measured on 4 x 128."""
+    from dataclasses import replace
+
+    from calibrate import gate
+    from calibrate.config import Config
+
+    recorded = {"psnr_ref_all": 40.0, "flicker": 0.003, "trajectories": {"num_trajectories": 2, "num_frames": 24}}
+    cfg = gate.check_trajectories(Config(), recorded["trajectories"])
+    assert (cfg.trajectories.num_trajectories, cfg.trajectories.num_frames) == (2, 24)
+    gate.check_comparable(cfg, recorded)
+    for other in (gate.check_trajectories(Config()), replace(cfg, trajectories=replace(cfg.trajectories, num_frames=8))):
+        with pytest.raises(ValueError, match=r"measured on check \(2 x 24 frames\)"):
+            gate.check_comparable(other, recorded)
+    given = replace(other.check, min_psnr_db=30.0, max_flicker=0.01)
+    gate.check_comparable(replace(other, check=given), recorded)  # both thresholds given: any set
