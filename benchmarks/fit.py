@@ -262,6 +262,10 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --ablations: unknown {', '.join(unknown)}; known: {', '.join(ABLATIONS)}", file=sys.stderr)
         return 2
+    if "ours" not in args.ablations.split(","):
+        print("error: --ablations must include ours (every row is compared with it); runs that share a --run-dir "
+              "reuse each other's fits, so split a long run as ours,a and ours,b", file=sys.stderr)
+        return 2
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
     device = pipeline.resolve_device(cfg.device)
