@@ -258,11 +258,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tinyworld", help="a conf/model preset (tinyworld, wanworld)")
     args = p.parse_args(argv)
     t0 = time.time()
-    unknown = [n for n in args.ablations.split(",") if n not in ABLATIONS]
+    ablations = args.ablations.split(",")
+    unknown = [n for n in ablations if n not in ABLATIONS]
     if unknown:
         print(f"error: --ablations: unknown {', '.join(unknown)}; known: {', '.join(ABLATIONS)}", file=sys.stderr)
         return 2
-    if "ours" not in args.ablations.split(","):
+    if "ours" not in ablations:
         print("error: --ablations must include ours (every row is compared with it); runs that share a --run-dir "
               "reuse each other's fits, so split a long run as ours,a and ours,b", file=sys.stderr)
         return 2
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir)
     recipes, records, reused = {}, {}, []
     recording = calibration.calibration_recording(cfg, model, device)  # one replay serves every variant
-    for name in args.ablations.split(","):
+    for name in ablations:
         fit_cfg = replace(cfg, fit=replace(cfg.fit, **ABLATIONS[name]))
         recipes[name], records[name], again = fitted(fit_cfg, model, device, recording, run_dir / f"{name}.safetensors")
         reused += [name] if again else []
