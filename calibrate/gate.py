@@ -23,15 +23,15 @@ def check_trajectories(cfg: Config, recorded: dict | None = None) -> Config:
     return replace(cfg, trajectories=check_set(cfg, recorded))
 
 
-def check_comparable(cfg: Config, recorded: dict | None) -> None:
+def check_comparable(cfg: Config, recorded_check: dict | None) -> None:
     """A recipe's recorded metrics are thresholds for the set they were measured on only: replaying
     another set (`trajectories=...`, `check.num_*`) against them is refused, unless both thresholds
     are given (`check.min_psnr_db`, `check.max_flicker`). `cfg.trajectories` is the set to replay;
-    `recorded` is the recipe's check metrics (their `trajectories` say the counts they were measured on)."""
-    if not recorded or (cfg.check.min_psnr_db is not None and cfg.check.max_flicker is not None):
+    `recorded_check` is the recipe's check metrics (their `trajectories` say the counts they were measured on)."""
+    if not recorded_check or (cfg.check.min_psnr_db is not None and cfg.check.max_flicker is not None):
         return
     asked = replace(cfg.check, num_trajectories=None, num_frames=None)
-    measured_on = check_trajectories(replace(cfg, check=asked), recorded.get("trajectories")).trajectories
+    measured_on = check_trajectories(replace(cfg, check=asked), recorded_check.get("trajectories")).trajectories
 
     def identity(t: TrajectoriesConfig) -> tuple:
         return t.file or t.name, t.split, tuple(t.families), t.seed, t.num_trajectories, t.num_frames
