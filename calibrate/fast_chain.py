@@ -25,14 +25,13 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    against its predecessor's states, exactly as `quant/predictive.encode` (same float32
    operations, so the same codes), write its codes and modes into its slot, and re-anchor the
    frame that became the oldest;
-4. values = (unit * v) @ R^T + mean, keys rotated by their frame's rotary (pre-rotary keys),
-   handed to the attention as one block of keys per token block. unit * v is one matmul of the
-   coded components with a matrix holding unit[d] where component d sits: each output is one
-   product and exact zeros, so it equals the reference's elementwise product bit for bit.
+4. values = (unit * v) @ R^T + mean, one matmul of the coded components with unit R^T (its
+   rows for the coded components only), keys rotated by their frame's rotary (pre-rotary keys),
+   handed to the attention as one block of keys per token block.
 
 The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
 the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py), held
-equal; values agree to float rounding. Bytes held (`nbytes`) count the forms each kept frame is in, which is what
+equal; values agree within FORMAT.md's bound (float rounding). Bytes held (`nbytes`) count the forms each kept frame is in, which is what
 `memory.predicted_cache_bytes` predicts; the slots not in use at the moment (the anchor frame's
 delta slot, warm-up) are capacity (`capacity_nbytes`).
 """

@@ -8,7 +8,8 @@ frames (`fast_chain.ChainStore` holds them):
 - `scan`: the packed codes and modes of a chain of frames (and its anchor) -> every frame's
   integer states, the summation rule of `ChainStore`'s docstring (a 0/1 matmul for short
   chains, `quant/chainscan.segmented_states` for long ones);
-- `values`: states -> (unit * v) @ R^T + mean, the reference's own steps (bitwise);
+- `values`: states -> (unit * v) @ R^T + mean as one product with (unit R^T), within
+  FORMAT.md's bound of the reference's values;
 - `encode`: `quant/predictive.encode` itself, every head at once;
 - `anchor_states` / `pack_anchor`: an anchor's packed fields <-> its states;
 - `expand` / `compact`: coded components <-> all D components.
@@ -63,10 +64,11 @@ class ChainCode:
         self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
         self.offset_c = pick(self.offset).float()
         self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
-        # unit * v from the coded components: spread[g, k, d] = unit[g, d] where d is coded component k
-        spread = torch.zeros(self.G, Dc + 1, self.D, device=device)
-        self.spread = spread.scatter_(1, self.pos[:, None, :], self.unit[:, None, :])[:, :Dc].contiguous()
-        self.rotation_t = self.rotation.transpose(-1, -2)
+        # values from the coded components: decode[g, k, :] = unit[g, d] R[g, :, d] where d is coded
+        # component k (one product per state, so the values stay within FORMAT.md's bound)
+        unit_c = torch.where(self.comp_valid, torch.gather(self.unit, 1, self.comp), 0)  # [G, Dc]
+        rows = torch.gather(self.rotation.transpose(-1, -2), 1, self.comp[..., None].expand(-1, -1, self.D))  # R^T rows
+        self.decode = (unit_c[..., None] * rows).contiguous()  # [G, Dc, D]
         self.bit_shift = torch.arange(8, dtype=torch.int32, device=device)
         self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
         self._scan_core, self._values_core = self._scan, self._values
@@ -131,11 +133,9 @@ class ChainCode:
         return self._values_core(states)
 
     def _values(self, states: Tensor) -> Tensor:
-        # the reference's own steps, (unit * v) @ R^T + mean over every component, so the values
-        # (not only the states) come out bitwise as the reference runtime's
         B, Tb, G, J, Dc = states.shape
         s = states.float().permute(0, 2, 3, 1, 4).reshape(B, G, J * Tb, Dc)
-        x = (s @ self.spread) @ self.rotation_t + self.mean[:, None, :]  # unit * v (exact, see above), then R^T
+        x = torch.matmul(s, self.decode).add_(self.mean[:, None, :])
         return x.view(B, G, J, Tb, self.D)
 
     def pack_anchor(self, v_a: Tensor, out: Tensor) -> None:

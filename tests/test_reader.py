@@ -288,7 +288,9 @@ def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(t
 
 def test_predictive_values_differ_by_order_within_the_absolute_bound():
     """x̂'s product is summed in the runtime's order: far apart in ulps near 0, never beyond the
-    bound of FORMAT.md (torch, numpy, the halving tree and left to right, on fitted roles)."""
+    bound of FORMAT.md (torch, numpy, the halving tree, left to right and the fast runtime's one
+    product with unit R^T, on fitted roles)."""
+    from calibrate.fast_chain_code import ChainCode
     from calibrate.predictive_roles import head_params
     from calibrate.quant import ordered
     from calibrate.quant import predictive as P
@@ -300,6 +302,7 @@ def test_predictive_values_differ_by_order_within_the_absolute_bound():
     worst_ulps = 0
     for layer in range(recipe.model.num_layers):
         for kind in "kv":
+            fast = ChainCode([recipe.layer_tensors(layer, kind)], "cpu")
             for h in range(recipe.model.num_kv_heads):
                 p = head_params(recipe.layer_tensors(layer, kind), h)
                 v = (torch.randn(2, 64, p.unit_D.numel(), generator=g) * p.limit_D / 4).round().long()
@@ -308,8 +311,12 @@ def test_predictive_values_differ_by_order_within_the_absolute_bound():
                 left = torch.zeros(uv.shape)
                 for d in range(uv.shape[-1]):
                     left = left + uv[..., d : d + 1] * p.rotation_DD[:, d]
+                states = torch.zeros(*v.shape[:-1], fast.G, v.shape[-1], dtype=torch.int64)
+                states[..., h, :] = v
+                states = fast.compact(states).flatten(0, 1)[None, :, :, None]  # [1, Tb, G, J = 1, Dc]
+                runtime = fast.values(states)[0, h, 0].view(v.shape)
                 outs = [P.values(v, p), torch.from_numpy(reader.predictive_values(v.numpy(), tensors, layer, kind, h)),
-                        ordered.matmul(uv, p.rotation_DD.T.contiguous()) + p.mean_D, left + p.mean_D]
+                        ordered.matmul(uv, p.rotation_DD.T.contiguous()) + p.mean_D, left + p.mean_D, runtime]
                 bound = reader.predictive_values_bound(v.numpy(), tensors, layer, kind, h)
                 for other in outs[1:]:
                     assert (np.abs(outs[0].double().numpy() - other.double().numpy()) <= bound).all()
