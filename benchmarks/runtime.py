@@ -148,7 +148,7 @@ def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
         for name, f in originals.items():
             setattr(owners[name], name, f)
     return {"scan (unpack the codes, integer states of the chain)": best["scan"],
-            "values ((unit v) R^T + mean, exact)": best["values"],
+            "values (v (unit R^T) + mean, one product)": best["values"],
             "rotary of the keys, blocks": best["_block"] - best["values"],
             "encode the new frame": best["encode"],
             "pack codes, modes, the anchor": best["_commit"] - best["encode"],
