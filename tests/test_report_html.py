@@ -16,7 +16,8 @@ import torch
 
 from calibrate.config import Config, TrajectoriesConfig
 from calibrate.evaluate import report as report_mod
-from calibrate.evaluate.html import TRAP_SENTENCE, embed, fit_summary, page_data, unembed, write_report_html
+from calibrate.evaluate.html import (TRAP_SENTENCE, embed, fit_summary, page_data, page_sheet, read_page, unembed,
+                                     write_report_html)
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.sheets import (MAX_HEIGHT, SHEET_FRAMES, FrameSheets, decode_sheet, difference, encode_sheet,
                                        read_stream, sheet_frames, sheet_path, to_uint8, undo_difference)
@@ -58,12 +59,15 @@ def test_difference_is_exact_for_every_pair_of_values():
     assert torch.all(difference(r, r) == 128)  # equal frames: a flat sheet
 
 
-def test_embedded_text_round_trips_and_is_safe_in_a_script_block():
-    data = bytes(range(256)) * 3 + b"</script>"
-    for n in range(len(data) - 5, len(data) + 1):  # every length of the last group
-        text = embed(data[:n])
-        assert unembed(text) == data[:n]
-        assert not set(text) & set('"\\<') and len(text) <= 5 * n / 4 + 1
+def test_embedded_bytes_round_trip_and_are_safe_in_a_script_block():
+    g = torch.Generator().manual_seed(0)
+    noise = bytes(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g).tolist())
+    for data in (bytes(range(256)) * 3 + b"</script>\r\n=3=", b"=" * 5, b"", noise):
+        stored = embed(data)
+        assert unembed(stored) == data
+        assert not set(stored) & {0x00, 0x0D, 0x3C}  # NUL, CR, '<': what the HTML parser would change
+        assert len(stored) == len(data) + sum(data.count(b) for b in (0, 0x0D, 0x3C, 0x3D))  # one byte per escape
+    assert len(embed(noise)) < 1.02 * len(noise)  # near-uniform bytes: ~4/256 escaped
 
 
 def test_sheet_rejects_what_it_cannot_hold():
@@ -108,14 +112,14 @@ def kept(runs, name: str, key: str) -> list[torch.Tensor]:
     return [to_uint8(x) for batch in runs[name].frames for x in batch[key]]
 
 
-def page_frames(frames: dict, trajectory: dict, stream: list[str]) -> torch.Tensor:
+def page_frames(page: str, trajectory: dict, stream: list[list[int]]) -> torch.Tensor:
     n = trajectory["num_frames"]
-    return torch.cat([decode_sheet(unembed(s), sheet_frames(n, k)) for k, s in enumerate(stream)])
+    return torch.cat([decode_sheet(page_sheet(page, span), sheet_frames(n, k)) for k, span in enumerate(stream)])
 
 
 def test_page_embeds_every_rollout_exactly(evaluated, tmp_path):
     rep, runs, sheets = evaluated
-    page = write_report_html(tmp_path / "report.html", rep, runs, sheets, "pytest").read_text()
+    page = read_page(write_report_html(tmp_path / "report.html", rep, runs, sheets, "pytest"))
     data = page_data(page)
     assert data["frames_note"] is None and data["schemes"] == ["fp16", "naive2"]
     assert [t["num_frames"] for t in data["trajectories"]] == [130, 130, 20]
@@ -123,11 +127,11 @@ def test_page_embeds_every_rollout_exactly(evaluated, tmp_path):
     ref, truth = kept(runs, "fp16", "reference"), kept(runs, "fp16", "ground_truth")
     for i, (traj, entry) in enumerate(zip(data["trajectories"], frames["trajectories"])):
         assert len(entry["reference"]) == (2 if traj["num_frames"] == 130 else 1)
-        r = page_frames(frames, traj, entry["reference"])
+        r = page_frames(page, traj, entry["reference"])
         assert torch.equal(r, ref[i])
-        assert torch.equal(page_frames(frames, traj, entry["ground_truth"]), truth[i])
+        assert torch.equal(page_frames(page, traj, entry["ground_truth"]), truth[i])
         for name in runs:
-            q = undo_difference(page_frames(frames, traj, entry["quantized"][name]), r)
+            q = undo_difference(page_frames(page, traj, entry["quantized"][name]), r)
             assert torch.equal(q, kept(runs, name, "quantized")[i]), (name, i)
         for name, run in runs.items():  # the curves are the evaluation's float series, per trajectory
             assert data["series"][name]["psnr_ref"][i] == pytest.approx(run.trajs[i].series["psnr_ref"].tolist(), abs=1e-3)
@@ -138,7 +142,11 @@ def test_page_embeds_every_rollout_exactly(evaluated, tmp_path):
 
 def test_page_is_self_contained_with_the_numbers_at_the_top(evaluated, tmp_path):
     rep, runs, sheets = evaluated
-    page = write_report_html(tmp_path / "report.html", rep, runs, sheets, "python -m calibrate task=compare").read_text()
+    page = read_page(write_report_html(tmp_path / "report.html", rep, runs, sheets, "python -m calibrate task=compare"))
+    raw = (tmp_path / "report.html").read_bytes()
+    assert b'<meta charset="windows-1252">' in raw[:1024]  # where a browser looks for it
+    block = raw.index(b'<script id="report-sheets"')
+    assert (raw[:block] + raw[raw.index(b"</script>", block):]).isascii()  # only the block holds bytes past ASCII
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page), "the page must not load anything"
     assert "<link" not in page and not re.search(r"<script[^>]+src=", page)
     assert "image-rendering: pixelated" in page
@@ -156,15 +164,15 @@ def test_names_are_escaped(evaluated, tmp_path):
     rep2 = copy.deepcopy(rep)
     rep2["schemes"] = {evil if n == "naive2" else n: s for n, s in rep["schemes"].items()}
     runs2 = {evil if n == "naive2" else n: r for n, r in runs.items()}
-    page = write_report_html(tmp_path / "report.html", rep2, runs2, None, "a </script> command").read_text()
+    page = read_page(write_report_html(tmp_path / "report.html", rep2, runs2, None, "a </script> command"))
     assert evil not in page and "&lt;i&gt;x&lt;/i&gt;" in page
-    assert page.count("</script>") == 2  # the data block's and the player's own
+    assert page.count("</script>") == 3  # the sheets block's, the data block's and the player's own
     assert evil in page_data(page)["schemes"]
 
 
 def test_without_frames_the_page_keeps_the_numbers_and_says_why(evaluated, tmp_path):
     rep, runs, _ = evaluated
-    page = write_report_html(tmp_path / "report.html", rep, runs, None, "pytest").read_text()
+    page = read_page(write_report_html(tmp_path / "report.html", rep, runs, None, "pytest"))
     data = page_data(page)
     assert data["frames"] is None and "eval.strips=false" in data["frames_note"]
     assert "<td>naive2</td>" in page and len(data["series"]["naive2"]["psnr_ref"]) == 3
@@ -177,7 +185,7 @@ def test_a_missing_or_damaged_sheet_is_one_line_and_only_its_players_go(evaluate
     damaged = sheet_path(frames, "quantized/naive2", 1, 1)
     damaged.write_bytes(damaged.read_bytes()[:40])
     sheet_path(frames, "reference", 2, 0).unlink()
-    page = write_report_html(tmp_path / "report.html", rep, runs, FrameSheets(frames), "pytest").read_text()
+    page = read_page(write_report_html(tmp_path / "report.html", rep, runs, FrameSheets(frames), "pytest"))
     data = page_data(page)
     note = data["frames_note"]
     assert "\n" not in note and "(and 1 more)" in note
@@ -193,7 +201,7 @@ def test_a_missing_or_damaged_sheet_is_one_line_and_only_its_players_go(evaluate
 
     for sub in ("reference", "ground_truth", "quantized"):  # nothing readable at all: numbers only
         shutil.rmtree(frames / sub)
-    data = page_data(write_report_html(tmp_path / "report.html", rep, runs, FrameSheets(frames), "pytest").read_text())
+    data = page_data(read_page(write_report_html(tmp_path / "report.html", rep, runs, FrameSheets(frames), "pytest")))
     assert data["frames"] is None and data["frames_note"].startswith("no frame sheet could be read")
 
 
@@ -205,7 +213,7 @@ def test_a_model_without_ground_truth_has_no_ground_truth_player(evaluated, tmp_
         for batch in run.frames:
             sheets(name, first, batch["reference"], batch["quantized"], None)
             first += batch["reference"].shape[0]
-    data = page_data(write_report_html(tmp_path / "report.html", rep, runs, sheets, "pytest").read_text())
+    data = page_data(read_page(write_report_html(tmp_path / "report.html", rep, runs, sheets, "pytest")))
     assert data["frames_note"] is None
     assert all(t["ground_truth"] is None and t["reference"] for t in data["frames"]["trajectories"])
 
@@ -245,7 +253,7 @@ def test_compare_writes_report_html(weights, tmp_path, strips):
     cfg.schemes = ["fp16", "naive2"]
     cfg.eval.strips = strips
     run_compare(cfg, tmp_path)
-    data = page_data((tmp_path / "report.html").read_text())
+    data = page_data(read_page(tmp_path / "report.html"))
     assert (data["frames"] is not None) == strips
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
@@ -259,6 +267,6 @@ def test_check_writes_report_html_with_the_gate(model, weights, tmp_path):
     cfg.recipe = str(recipe)
     cfg.check.min_psnr_db, cfg.check.max_flicker = 0.0, 1.0
     result = run_check(cfg, tmp_path / "run")
-    page = (tmp_path / "run" / "report.html").read_text()
+    page = read_page(tmp_path / "run" / "report.html")
     assert result["passed"] and "Gate: the recipe passes" in page and "<td>psnr_ref_all</td>" in page
     assert page_data(page)["frames"]["trajectories"][0]["quantized"].keys() == {"recipe"}

@@ -19,7 +19,7 @@ from calibrate import load_model
 from benchmarks.report_html import (browser, browser_paths, canvas_rgb, click_curve, console_errors, open_report,
                                               page_state, select, wait_ready)
 from calibrate.evaluate import report as report_mod
-from calibrate.evaluate.html import page_data, write_report_html
+from calibrate.evaluate.html import page_data, read_page, write_report_html
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.sheets import FrameSheets, sheet_path, to_uint8
 from calibrate.adapters import as_world
@@ -54,7 +54,7 @@ def report(tmp_path_factory):
     frames = {key: [to_uint8(x) for batch in runs["fp16"].frames for x in batch[key]] for key in ("reference", "ground_truth")}
     for name, run in runs.items():
         frames[name] = [to_uint8(x) for batch in run.frames for x in batch["quantized"]]
-    return pages, frames, page_data(pages["full"].read_text())
+    return pages, frames, page_data(read_page(pages["full"]))
 
 
 def assert_players_agree(driver, frames: dict, gain: int = 4) -> dict:

@@ -17,6 +17,7 @@ from calibrate import calibration, gate, pipeline
 from calibrate.adapters import as_world
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
 from calibrate.evaluate import run as eval_run
+from calibrate.evaluate.html import read_page
 from calibrate.fit.predictive_search import BudgetError, budget_floor
 from calibrate.recipe import load_recipe, save_recipe
 from calibrate.schemes import build_baseline
@@ -143,7 +144,7 @@ def test_a_partial_without_frame_sheets_is_recomputed_when_the_report_needs_them
         pipeline.run_evaluate(tiny_cfg("evaluate", weights, recipe=str(recipes["kivi2"])), tmp_path)
     assert any("have no frame sheets" in r.getMessage() for r in caplog.records)
     assert sheets_of(tmp_path)
-    page = (tmp_path / "report.html").read_text()
+    page = read_page(tmp_path / "report.html")
     assert "some players are off" not in page and "no players" not in page
 
 

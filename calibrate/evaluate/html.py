@@ -11,17 +11,17 @@ disk with no network and no server:
 * each recipe's measured memory and a summary of how it was fitted; the per-window tables.
 
 Frames are the run's frame sheets (sheets.py: lossless WebP, rows interleaved by time,
-quantized rollouts as differences to the reference) embedded as Base85 text (:func:`embed`);
-the page decodes the selected trajectory's sheets on a canvas, undoes the differences and
+quantized rollouts as differences to the reference) embedded as bytes in one block of the
+page, which is windows-1252 so that a byte is a character (:func:`embed`); the page decodes the selected trajectory's sheets on a canvas, undoes the differences and
 computes the error panel itself, so nothing upscaled or derived is stored (panels are upscaled
 by CSS with ``image-rendering: pixelated``). Tables are plain HTML written here, readable without
 JavaScript; the player and the curves are hand-written canvas/SVG in
 ``report_template.html`` (no plotting library: two line plots and a cursor do not earn one).
 
-Size budget: <= 20 MB for the default compare with `ours`, 8 schemes x 7 trajectories x 256
-frames of 32x32 TinyWorld frames; measured 19.4 MB (7 schemes: 17.2 MB), 0.28 sheet bytes per
-raw RGB byte, x5/4 as text (artifacts/benchmarks/report_html.md). Each further scheme adds
-about 2.1 MB; the page decodes only the selected trajectory, so it opens in ~2 s.
+Size budget: <= 20 MB for the default compare with `ours`, 9 schemes x 7 trajectories x 256
+frames of 32x32 TinyWorld frames; measured in artifacts/benchmarks/report_html.md (~0.28 sheet
+bytes per raw RGB byte, ~1.6% more as the page holds them). Each further scheme adds about
+2 MB; the page decodes only the selected trajectory, so it opens in ~2 s.
 
 A run without frames (``eval.strips=false``) still gets the page, with the numbers and the
 curves and one line saying why there are no players; a missing or damaged sheet file turns
@@ -30,7 +30,6 @@ off the players it feeds and is named in one line on the page (and in the log).
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import logging
@@ -44,11 +43,12 @@ from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import SchemeRun
 from calibrate.evaluate.sheets import (GROUND_TRUTH, REFERENCE, SHEET_FRAMES, FrameSheets, SheetError, quantized_stream,
                                        read_stream)
-from calibrate.io import write_text_atomic
+from calibrate.io import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
 TEMPLATE = "report_template.html"
+SHEETS_BLOCK = "report-sheets"  # the id of the page's sheets block
 GAIN = 4  # default amplification of the error panel (as in the GIF strips)
 TRAP_SENTENCE = (
     f"A scheme is flagged as a short-clip trap when it looks lossless on a short clip (at least "
@@ -66,12 +66,13 @@ def write_report_html(path: str | os.PathLike, rep: dict, runs: dict[str, Scheme
     when the run kept none. `check`, for task=check, is the gate's result (criteria table).
     """
     trajs = _trajectories(runs)
+    block = b""
     if sheets is None:
         frames, note = None, "this run kept no frames (eval.strips=false), so there are no players; the numbers are complete"
     elif sheets.note:
         frames, note = None, f"no players: {sheets.note}"
     else:
-        frames, note = _frames(sheets.directory, runs, trajs)
+        frames, note, block = _frames(sheets.directory, runs, trajs)
     if note:  # a problem worth a warning, unless the run chose to keep no frames
         (log.info if sheets is None else log.warning)("report.html: %s", note)
     rows = report_mod.blind_spot_rows(rep)
@@ -102,8 +103,11 @@ def write_report_html(path: str | os.PathLike, rep: dict, runs: dict[str, Scheme
         "data": json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c"),
     }
     template = resources.files("calibrate.evaluate").joinpath(TEMPLATE).read_text(encoding="utf-8")
-    page = re.sub(r"\{\{(\w+)\}\}", lambda m: slots[m.group(1)], template)  # one pass: filled text is not rescanned
-    out = write_text_atomic(path, page)
+    # one pass per side of the sheets block (filled text is not rescanned); the page is windows-1252:
+    # text outside ASCII as character references (the JSON and the scripts are ASCII), the block as bytes
+    head, tail = (re.sub(r"\{\{(\w+)\}\}", lambda m: slots[m.group(1)], part).encode("ascii", "xmlcharrefreplace")
+                  for part in template.split("{{sheets}}"))
+    out = write_bytes_atomic(path, head + block + tail)
     log.info("report.html: %.1f MB", out.stat().st_size / 1e6)
     return out
 
@@ -115,9 +119,10 @@ def _trajectories(runs: dict[str, SchemeRun]) -> list[dict]:
     return [{"family": t.family, "seed": t.seed, "num_frames": len(t.series["psnr_ref"])} for t in run.trajs]
 
 
-def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> tuple[dict | None, str | None]:
-    """The embedded sheets (Base85 text) of every trajectory and stream, and one line on what is missing."""
-    size, problems, out = None, [], []
+def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> tuple[dict | None, str | None, bytes]:
+    """The sheets of every trajectory and stream as [start, end) spans of the sheets block, one line
+    on what is missing, and the block's bytes (every sheet through :func:`embed`)."""
+    size, problems, out, block = None, [], [], bytearray()
     for i, traj in enumerate(trajs):
         n = traj["num_frames"]
         entry = {"reference": None, "ground_truth": None, "quantized": {}}
@@ -132,36 +137,52 @@ def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> 
                 if stream == REFERENCE:
                     break  # the quantized streams are differences to it: nothing to show for this trajectory
                 continue
-            encoded = [embed(s) for s in sheets]
+            encoded = []
+            for sheet in sheets:
+                start = len(block)
+                block += embed(sheet)
+                encoded.append([start, len(block)])
             if scheme is None:
                 entry[stream] = encoded
             else:
                 entry["quantized"][scheme] = encoded
         out.append(entry)
     if size is None:
-        return None, "no frame sheet could be read, so there are no players: " + (problems[0] if problems else "none written")
+        return None, "no frame sheet could be read, so there are no players: " + (problems[0] if problems else "none written"), b""
     note = None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         note = f"some players are off: frame sheet {problems[0]}{more}"
-    return {"height": size[0], "width": size[1], "sheet_frames": SHEET_FRAMES, "trajectories": out}, note
+    return {"height": size[0], "width": size[1], "sheet_frames": SHEET_FRAMES, "trajectories": out}, note, bytes(block)
 
 
-# Base85 (RFC 1924's alphabet, as Python's b85encode) with '<' written as '.': 25% larger than
-# the bytes where base64 is 33% (~1.2 MB less on the default compare), and every character may
-# stand in a JSON string inside <script> as is (no '"', '\\' or '<', so no '</script>').
-_B85_PAGE = bytes.maketrans(b"<", b".")
-_B85_BACK = bytes.maketrans(b".", b"<")
+# The page is windows-1252 (one character per byte), so a sheet's bytes stand in it as they are,
+# in one <script type="application/octet-stream"> block, except four: NUL (the parser replaces
+# it), CR (the parser turns it into LF), '<' (it could close the block) and the escape '=' itself,
+# each written as '=' and a digit. WebP bytes are near uniform, so that costs ~1.6% where the
+# Base85 text this replaced cost 25%. The page's JavaScript maps characters back to bytes with
+# the browser's own windows-1252 decoder (TextDecoder).
+ESCAPE = b"="
+ESCAPED = b"\x00\r<="  # escaped as '=0', '=1', '=2', '=3'
 
 
-def embed(data: bytes) -> str:
-    """Bytes as the page's text (its JavaScript decodes the same alphabet)."""
-    return base64.b85encode(data).translate(_B85_PAGE).decode("ascii")
+def embed(data: bytes) -> bytes:
+    """Bytes as they stand in the page's sheets block (see above)."""
+    data = data.replace(ESCAPE, b"=3")  # the escape first: the others write it
+    for digit, byte in enumerate(ESCAPED[:3]):
+        data = data.replace(bytes([byte]), ESCAPE + str(digit).encode())
+    return data
 
 
-def unembed(text: str) -> bytes:
+def unembed(data: bytes) -> bytes:
     """Inverse of :func:`embed`."""
-    return base64.b85decode(text.encode("ascii").translate(_B85_BACK))
+    return re.sub(rb"=([0-3])", lambda m: ESCAPED[int(m.group(1)): int(m.group(1)) + 1], data)
+
+
+def read_page(path: str | os.PathLike) -> str:
+    """report.html as text, one character per byte (Latin-1, so a sheet's span indexes it): what
+    :func:`page_data` and :func:`page_sheet` read."""
+    return Path(path).read_bytes().decode("latin-1")
 
 
 def _default_scheme(rows: list[dict]) -> str:
@@ -318,3 +339,10 @@ def page_data(page: str) -> dict:
     start = page.index('<script id="report-data" type="application/json">')
     start = page.index(">", start) + 1
     return json.loads(page[start:page.index("</script>", start)])
+
+
+def page_sheet(page: str, span: list[int]) -> bytes:
+    """The bytes of one embedded sheet of a page read by :func:`read_page`, `span` as its data gives it."""
+    start = page.index(f'<script id="{SHEETS_BLOCK}" type="application/octet-stream">')
+    start = page.index(">", start) + 1
+    return unembed(page[start + span[0]: start + span[1]].encode("latin-1"))
