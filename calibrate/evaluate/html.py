@@ -20,7 +20,7 @@ JavaScript; the player and the curves are hand-written canvas/SVG in
 
 Size budget: <= 20 MB for the default compare with `ours`, 9 schemes x 7 trajectories x 256
 frames of 32x32 TinyWorld frames; measured in artifacts/benchmarks/report_html.md (~0.28 sheet
-bytes per raw RGB byte, ~1.6% more as the page holds them). Each further scheme adds about
+bytes per raw RGB byte, ~2% more as the page holds them). Each further scheme adds about
 2 MB; the page decodes only the selected trajectory, so it opens in ~2 s.
 
 A run without frames (``eval.strips=false``) still gets the page, with the numbers and the
@@ -159,7 +159,7 @@ def _frames(frames_dir: Path, runs: dict[str, SchemeRun], trajs: list[dict]) -> 
 # The page is windows-1252 (one character per byte), so a sheet's bytes stand in it as they are,
 # in one <script type="application/octet-stream"> block, except four: NUL (the parser replaces
 # it), CR (the parser turns it into LF), '<' (it could close the block) and the escape '=' itself,
-# each written as '=' and a digit. WebP bytes are near uniform, so that costs ~1.6% where the
+# each written as '=' and a digit. WebP bytes are near uniform, so that costs ~2% where the
 # Base85 text this replaced cost 25%. The page's JavaScript maps characters back to bytes with
 # the browser's own windows-1252 decoder (TextDecoder).
 ESCAPE = b"="
