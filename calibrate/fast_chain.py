@@ -31,9 +31,10 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
 
 The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
 the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py), held
-equal; values agree within FORMAT.md's bound (float rounding). Bytes held (`nbytes`) count the forms each kept frame is in, which is what
-`memory.predicted_cache_bytes` predicts; the slots not in use at the moment (the anchor frame's
-delta slot, warm-up) are capacity (`capacity_nbytes`).
+equal; values agree within FORMAT.md's bound (float rounding). Bytes held (`nbytes`) count the
+forms each kept frame is in, which is what `memory.predicted_cache_bytes` predicts; the slots
+not in use at the moment (the anchor frame's delta slot, warm-up) are capacity
+(`capacity_nbytes`).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class ChainCode:
         self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
         # values from the coded components: decode[g, k, :] = unit[g, d] R[g, :, d] where d is coded
         # component k (one product per state, so the values stay within FORMAT.md's bound)
-        unit_c = torch.where(self.comp_valid, torch.gather(self.unit, 1, self.comp), 0)  # [G, Dc]
+        unit_c = pick(self.unit)  # [G, Dc]
         rows = torch.gather(self.rotation.transpose(-1, -2), 1, self.comp[..., None].expand(-1, -1, self.D))  # R^T rows
         self.decode = (unit_c[..., None] * rows).contiguous()  # [G, Dc, D]
         self.bit_shift = torch.arange(8, dtype=torch.int32, device=device)

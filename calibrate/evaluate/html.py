@@ -12,9 +12,10 @@ disk with no network and no server:
 
 Frames are the run's frame sheets (sheets.py: lossless WebP, rows interleaved by time,
 quantized rollouts as differences to the reference) embedded as bytes in one block of the
-page, which is windows-1252 so that a byte is a character (:func:`embed`); the page decodes the selected trajectory's sheets on a canvas, undoes the differences and
-computes the error panel itself, so nothing upscaled or derived is stored (panels are upscaled
-by CSS with ``image-rendering: pixelated``). Tables are plain HTML written here, readable without
+page, which is windows-1252 so that a byte is a character (:func:`embed`); the page decodes
+the selected trajectory's sheets on a canvas, undoes the differences and computes the error
+panel itself, so nothing upscaled or derived is stored (panels are upscaled by CSS with
+``image-rendering: pixelated``). Tables are plain HTML written here, readable without
 JavaScript; the player and the curves are hand-written canvas/SVG in
 ``report_template.html`` (no plotting library: two line plots and a cursor do not earn one).
 
