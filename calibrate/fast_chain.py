@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
+from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs_complex
 from calibrate.fast_chain_code import ChainCode
 
 FP = torch.float16
@@ -326,7 +326,7 @@ class ChainStore:
         held = dict(zip(self.kinds, x.split(self.H, dim=1)))
         k, v = held.get("k"), held.get("v")
         if self.pre_rotary:
-            k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
+            k = rotate_pairs_complex(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, F, Tb, D = x.shape[0], self.H, *x.shape[2:]
         flat = lambda t: None if t is None else t.reshape(B, H, F * Tb, D)
         return flat(k), flat(v), None

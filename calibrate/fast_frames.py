@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs
+from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs_complex
 from calibrate.codec import span_of, span_pending, span_state_nbytes
 from calibrate.codes import KINDS
 from calibrate.fast_chain import IndexTensors, token_block
@@ -332,7 +332,7 @@ class FrameStore:
         k, v = (self._decode(name, kind, slots, tokens, frames) if kind in self.kinds else None for kind in "kv")
         if self.pre_rotary:
             cos, sin = rope(frames)
-            k = rotate_pairs(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
+            k = rotate_pairs_complex(k, cos[:, None, :, tokens], sin[:, None, :, tokens])
         B, H, J, T, D = (k if k is not None else v).shape
         corr = self.corrected[name] if self.var_HD is not None and bool(self.corrected[name].any()) else None
         if self.jensen and any(g.bits < 16 for g in self.groups[name]["k"]):

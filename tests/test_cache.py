@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from calibrate.cache import KVCache, Rope, kept_frames, softmax_attention
+from calibrate.cache import KVCache, Rope, kept_frames, rotate_pairs, rotate_pairs_complex, softmax_attention
 
 
 def _frame(value: float, B=1, H=2, T=3, D=4):
@@ -63,6 +63,20 @@ def test_rope_is_a_rotation_and_relative():
     dot1 = (Rope(a).apply(q) * Rope(a * 0).apply(k)).sum(-1)
     dot2 = (Rope(a + shift).apply(q) * Rope(shift.expand_as(a)).apply(k)).sum(-1)
     torch.testing.assert_close(dot1, dot2)
+
+
+def test_complex_rotation_is_the_pair_rotation_within_rounding():
+    # a hand-computed pair: (1, 2) by 90 degrees is (-2, 1); then random blocks against rotate_pairs
+    x = torch.tensor([[1.0, 2.0]])
+    got = rotate_pairs_complex(x, torch.zeros(1, 1), torch.ones(1, 1))
+    assert got.tolist() == [[-2.0, 1.0]]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 7, 16, generator=g)
+    a = torch.randn(2, 1, 5, 7, 8, generator=g) * 10
+    want = rotate_pairs(x, a.cos(), a.sin())
+    torch.testing.assert_close(rotate_pairs_complex(x, a.cos(), a.sin()), want, rtol=0, atol=4 * 2 ** -23 * x.abs().max().item())
+    swapped = rotate_pairs_complex(x, a.sin(), a.cos())  # a wrong convention is far off
+    assert (swapped - want).abs().max() > 0.5
 
 
 def test_bad_window_rejected():
