@@ -233,11 +233,12 @@ def where_the_error_lies(world, recipe, families: list[str], frames: int, window
 
 
 def roll_variant(world, recipe, trajs, rounding: str, adapt: int, unit_scale: float | str, window: int, sinks: int, device,
-                 shape: bool = False) -> dict:
+                 shape: bool = False, make=None) -> dict:
     """PSNR vs fp per window and family of one variant and its noise twin, and its stored SQNR; with
-    `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`)."""
+    `shape`, also its shaped and isotropic Gaussian twins (`GaussianTwinCache`). `make() -> cache`
+    replaces the variant's `FakePredictiveCache` (static_oracles.py's oracles)."""
     L = world.info.num_layers
-    make = lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt, unit_scale)
+    make = make or (lambda: FakePredictiveCache(recipe, window, sinks, rounding, adapt, unit_scale))
     fp = ShadowCache(L, window, sinks, {"x": make()}, attention=False, stored=True)
     ref, truth = rollout_batch(world, trajs, fp, device)
     quant, _ = rollout_batch(world, trajs, make(), device, truth=truth)
