@@ -332,7 +332,7 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
         price_layer(layer)
     taken = []
     bar = tqdm(desc="mixed precision: bits spent", total=round(max(cfg.budget_bits - 16.0 * total / fp16, 0.0), 4),
-               unit="bit")
+               unit="bit", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.3f}/{total:.3f} bits [{elapsed}<{remaining}]")
     while True:
         current = 16.0 * total / fp16
         cost = 16.0 * (total + delta).double() / fp16 - current
