@@ -39,3 +39,28 @@ def test_a_refresh_period_holds_each_uncoded_component_between_its_staggered_ref
         for i in (2, 3):
             last = max(g for g in range(f + 1) if g == 0 or (i + g) % 3 == 0)  # frame 0 fills every component
             assert torch.equal(y[..., i], xs[last][..., i]), (f, i)
+
+
+def test_round_robin_refreshes_m_uncoded_components_a_frame_in_turn():
+    from benchmarks.static_oracles import round_robin_due
+
+    uncoded = torch.tensor([False, True, False, True, True, False, True, True])  # U = [1, 3, 4, 6, 7]
+    # period 2: m = ceil(5 / 2) = 3 per frame: U[0..2], U[3, 4, 0], U[1..3], ...
+    want = [[1, 3, 4], [6, 7, 1], [3, 4, 6], [7, 1, 3]]
+    for f, comps in enumerate(want):
+        assert round_robin_due(uncoded, 2, f).nonzero().flatten().tolist() == sorted(comps), f
+    assert not round_robin_due(torch.zeros(8, dtype=torch.bool), 2, 0).any()
+
+
+def test_round_robin_holds_coded_refreshes_and_starts_at_the_mean():
+    sigma = torch.ones(4)
+    rr, xs = OracleCoder(HeadCoder(params(), "nearest", 0, torch.Generator().manual_seed(0)), ("rr", 2, 8), sigma), frames(5)
+    out = [rr.code(x) for x in xs]
+    # U = [2, 3], period 2: m = 1; frame f refreshes component U[f % 2]; unit 0.5, 8 bits over +-3 sigma
+    assert torch.equal(out[0][..., 3], torch.zeros(1, 3))  # not refreshed yet: the mean
+    for f, y in enumerate(out):
+        i = (2, 3)[f % 2]
+        assert torch.allclose(y[..., i], xs[f][..., i].clamp(-1.5, 1.5), atol=0.5 * 6 / 256)  # this frame's, r bits
+        if f:
+            j = (2, 3)[(f - 1) % 2]
+            assert torch.equal(y[..., j], out[f - 1][..., j])  # held from the frame before
