@@ -1,10 +1,11 @@
 """Study: which part of the shipped recipe's error keeps the still camera low, by oracles.
 
     python -m benchmarks.static_oracles [--frames 256] [--out artifacts/benchmarks] [--recipe PATH]
-                                        [--oracles NAME,NAME]
+                                        [--oracle NAME ...] [--model tinyworld]
 
-Writes `static_oracles.md` + `.json` (`static_oracles_<recipe stem>` with `--recipe`, any
-TinyWorld predictive recipe, e.g. a refit at a higher `fit.budget_bits`). Each oracle makes one
+Writes `static_oracles.md` + `.json` (`static_oracles_<model>` for another model than TinyWorld,
+`static_oracles_<recipe stem>` with `--recipe`, any predictive recipe of the model, e.g. a refit at
+a higher `fit.budget_bits`). Each oracle makes one
 part of the recipe's code exact (or refreshes it) in `coherence_study.FakePredictiveCache` (the float cache that reconstructs every frame
 as the predictive code does) and rolls it out next to its noise twin (evaluate/twin.py):
 
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate import pipeline
@@ -195,12 +197,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=256)
     p.add_argument("--out", default="artifacts/benchmarks")
-    p.add_argument("--recipe", default=None, help="a TinyWorld predictive recipe (default: the shipped one)")
-    p.add_argument("--oracles", default=None, help="comma-separated oracle names (default: all)")
+    p.add_argument("--model", default="tinyworld", help="a conf/model preset with a shipped recipe (tinyworld, wanworld)")
+    p.add_argument("--recipe", default=None, help="a predictive recipe of the model (default: the shipped one)")
+    p.add_argument("--oracle", action="append", default=None, help="an oracle to run, repeatable (default: all)")
     args = p.parse_args(argv)
+    unknown = [name for name in args.oracle or [] if name not in ORACLES]
+    if unknown:
+        print(f"static_oracles: unknown --oracle {unknown[0]!r}; known: {'; '.join(ORACLES)}", file=sys.stderr)
+        return 2
+    oracles = {name: ORACLES[name] for name in args.oracle or ORACLES}
     t0 = time.time()
-    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=["model=tinyworld"]))
+    try:
+        with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+            cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
+    except HydraException as err:
+        print(f"static_oracles: --model {args.model}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
     device = torch.device("cpu")
     world = as_world(pipeline.load_world(cfg, device))
     path = Path(args.recipe) if args.recipe else pipeline.ours_recipe(world.info)
@@ -210,10 +222,6 @@ def main(argv=None) -> int:
         print(f"static_oracles: {err}", file=sys.stderr)
         return 2
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
-    oracles = {name: ORACLES[name] for name in (args.oracles.split(",") if args.oracles else ORACLES) if name in ORACLES}
-    if args.oracles and len(oracles) != len(args.oracles.split(",")):
-        print(f"static_oracles: --oracles names one not in: {', '.join(ORACLES)}", file=sys.stderr)
-        return 2
     sigma = calibration_sigma(world, recipe, window, sinks, device)
     sets = {"fit.md's trajectories (evaluation seeds 0-6)":
             [t for t in make_trajectories(FIT_ORDER, "evaluation", 7, args.frames) if t.family in FAMILIES],
@@ -228,7 +236,8 @@ def main(argv=None) -> int:
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     md = markdown(results, bits, command, (time.time() - t0) / 60, args.frames, str(shown))
     out = Path(args.out)
-    name = "static_oracles" if args.recipe is None else f"static_oracles_{path.stem}"
+    name = (f"static_oracles_{path.stem}" if args.recipe else
+            "static_oracles" if args.model == "tinyworld" else f"static_oracles_{args.model}")
     write_text_atomic(out / f"{name}.md", md)
     write_text_atomic(out / f"{name}.json", json.dumps({"added_bits": bits, "results": results}, indent=1))
     print(md)

@@ -64,3 +64,14 @@ def test_round_robin_holds_coded_refreshes_and_starts_at_the_mean():
         if f:
             j = (2, 3)[(f - 1) % 2]
             assert torch.equal(y[..., j], out[f - 1][..., j])  # held from the frame before
+
+
+def test_bad_arguments_get_one_line_and_exit_2(capsys, tmp_path):
+    from benchmarks.static_oracles import main
+
+    assert main(["--oracle", "no such oracle", "--out", str(tmp_path)]) == 2
+    assert main(["--model", "nosuch", "--out", str(tmp_path)]) == 2
+    assert main(["--recipe", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("static_oracles: ") for line in err)
+    assert not list(tmp_path.iterdir())
