@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
                       for oracle, modes in oracles.items()}
                for name, trajs in sets.items()}
     bits = {name: added_bits(recipe, modes) for name, modes in oracles.items()}
-    command = "python -m benchmarks.static_oracles " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.static_oracles " + shlex.join(argv if argv is not None else sys.argv[1:])
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     md = markdown(results, bits, command, (time.time() - t0) / 60, args.frames, str(shown))
     out = Path(args.out)
