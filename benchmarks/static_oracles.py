@@ -5,9 +5,9 @@
 
 Writes `static_oracles.md` + `.json` (`static_oracles_<model>` for another model than TinyWorld,
 `static_oracles_<recipe stem>` with `--recipe`, any predictive recipe of the model, e.g. a refit at
-a higher `fit.budget_bits`). Each oracle makes one
-part of the recipe's code exact (or refreshes it) in `coherence_study.FakePredictiveCache` (the float cache that reconstructs every frame
-as the predictive code does) and rolls it out next to its noise twin (evaluate/twin.py):
+a higher `fit.budget_bits`). Each oracle makes one part of the recipe's code exact (or refreshes
+it) in `coherence_study.FakePredictiveCache` (the float cache that reconstructs every frame as the
+predictive code does) and rolls it out next to its noise twin (evaluate/twin.py):
 
 - `uncoded exact`: the components the recipe gives 0 bits (the weakest PCA directions, held at
   the mean by the code) take their true value in every frame, K and V; the coded ones as shipped;
@@ -28,10 +28,10 @@ as the predictive code does) and rolls it out next to its noise twin (evaluate/t
   their first refresh). Sigma per component comes from calibration rollouts (one per family of
   `FAMILIES`, calibration seeds, 64 frames, the recipe's own code), not from the held-out ones.
 
-The exact oracles do not count the bits their exact values would cost: they bound what coding that
-part better can earn. Two held-out trajectory sets: `fit.md`'s (evaluation seeds 0-6, one trajectory per
-family; issue 28's targets are measured there) and `coherence_study.md`'s (seeds 0-3: static,
-pan, orbit, dolly), each cut to the families static, pan, orbit and dolly.
+The exact oracles do not count the bits their exact values would cost: they bound what coding
+that part better can earn. Two held-out trajectory sets: `fit.md`'s (evaluation seeds 0-6, one
+trajectory per family; issue 28's targets are measured there) and `coherence_study.md`'s (seeds
+0-3: static, pan, orbit, dolly), each cut to the families static, pan, orbit and dolly.
 """
 
 from __future__ import annotations
