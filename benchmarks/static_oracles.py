@@ -179,7 +179,9 @@ def markdown(results: dict, bits: dict, command: str, minutes: float, frames: in
     for set_name, rows in results.items():
         fams = list(next(iter(rows.values())))
         late = list(next(iter(rows.values()))[fams[0]]["scheme"])[-1]
-        lines += [f"## {set_name}", "", f"PSNR vs the fp rollout, frames {late}: oracle / its noise twin; "
+        start, _, stop = late.partition("-")
+        cut = f" (the nominal label: frames {start}-{frames - 1} here)" if stop.isdigit() and frames < int(stop) else ""
+        lines += [f"## {set_name}", "", f"PSNR vs the fp rollout, frames {late}{cut}: oracle / its noise twin; "
                   "SQNR = stored K / V dB, mean over layers.", "",
                   "| oracle | + bits | " + " | ".join(fams) + " | mean | flicker |", "|---|---|" + "---|" * (len(fams) + 2)]
         for name, res in rows.items():
