@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks import command_line
 from benchmarks.kv_stats import FrameRecorder
 from calibrate import pipeline
 from calibrate.adapters import as_world
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
     trajs = make_trajectories(["static", "pan", "orbit", "dolly"], "evaluation", 4, args.frames)
     variants = {name: roll_variant(world, recipe, trajs, *VARIANTS[name], window, sinks, device, shape=name == "shipped")
                 for name in args.variants.split(",") if name}
-    command = "python -m benchmarks.coherence_study " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("coherence_study", argv)
     md = markdown(decomp, variants, command, (time.time() - t0) / 60, args.frames,
                   f"recipes/{path.name}, window {window} + {sinks} sink")
     out = Path(args.out)

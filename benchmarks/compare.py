@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks import command_line
 from calibrate import pipeline
 from calibrate.config import CONF_DIR, to_config
 from calibrate.evaluate import report as report_mod
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     minutes = (time.time() - t0) / 60
     rep = json.loads((run_dir / "report.json").read_text())
     out = Path(args.out)
-    command = "python -m benchmarks.compare " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("compare", argv)
     md = (run_dir / "report.md").read_text()
     for png in run_dir.glob("*.png"):
         shutil.copyfile(png, out / f"{args.name}_{png.name}")

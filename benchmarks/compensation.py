@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import command_line
 from calibrate import calibration, pipeline
 from calibrate.cache import KVCache
 from calibrate.config import Config, TrajectoriesConfig
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     rows = {n: row(n, rep, r, records[n], cpu_ms_per_frame(model, r, timed, window, sink, device), window, sink)
             for n, r in recipes.items()}
     verdict = verdicts(rows, budgets, variants(args.comp_rank))
-    command = "python -m benchmarks.compensation " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("compensation", argv)
     setup = (f"Calibration: {args.calib_trajectories} x {args.calib_frames} frames; held-out evaluation: "
              f"{len(trajs)} trajectories (all families) x {args.frames} frames; window {window} + {sink} sink; "
              f"budget(s) {', '.join(f'{b:g}' for b in budgets)} bits/element; compensator rank {args.comp_rank}."

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import sys
 import time
 from dataclasses import replace
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks import command_line
 from calibrate import calibration, pipeline
 from calibrate.adapters import as_world
 from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     tgts.insert(1, {"target": "not flagged by the short-clip trap test", "met": not trap.get("ours"),
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
     times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
-    command = shlex.join(["python", "-m", "benchmarks.fit", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("fit", argv)
     md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
                   unrunnable)
     out = Path(args.out)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import command_line
 from calibrate import calibration, pipeline
 from calibrate.codec import fake_quant_heads
 from calibrate.config import Config, TrajectoriesConfig
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     rows = {name: row(name, rep) for name in recipes}
     setup = (f"Calibration (sigma^2): {args.calib_trajectories} x {args.calib_frames} frames; held-out evaluation: "
              f"{args.trajectories} trajectories (all families) x {args.frames} frames; window {window} + {sink} sink.")
-    command = "python -m benchmarks.jensen " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("jensen", argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "jensen.md", markdown(rows, command.strip(), setup, time.time() - start))

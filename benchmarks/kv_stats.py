@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from benchmarks import command_line
 from calibrate.cache import Attended, KVCache
 from calibrate.io import write_text_atomic
 from calibrate.world.trajectories import make_trajectories
@@ -155,7 +156,7 @@ def run_study(module: str, argv: Sequence[str] | None, models: str, frames: int,
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = shlex.join(["python", "-m", f"benchmarks.{module}", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line(module, argv)
     md = markdown(results, command, (time.time() - t0) / 60)
     write_text_atomic(Path(out) / f"{module}.md", md)
     write_text_atomic(Path(out) / f"{module}.json", json.dumps(results, indent=1))

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks import command_line
 from calibrate.evaluate.html import page_data, page_sheet, read_page
 from calibrate.io import write_bytes_atomic, write_text_atomic
 
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                   f"{len(shot['console_errors'])}; screenshot `{args.screenshot}`."]
     print("\n".join(lines))
     if args.out:
-        command = "python -m benchmarks.report_html " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = command_line("report_html", argv)
         head = ["# report.html: size and a real-browser check", "", f"Command: `{command}`  ",
                 f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",
                 f"Budget: <= {BUDGET_BYTES / 1e6:.0f} MB for the default compare with `ours` (7 trajectories x 256 "

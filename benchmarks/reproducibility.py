@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from benchmarks import command_line
 from calibrate.io import write_text_atomic
 
 ANOTHER_CPU = {"mean": (1e-6, 0.0), "unit": (0.0, 1e-4), "rotation": (1e-4, 0.0)}  # role: (atol, rtol), README
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     recipe = Path(args.recipe) if args.recipe else run["recipe"]
     res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu(),
            "diff": diff(recipe, Path(args.against)), "run": run}
-    command = " ".join(["python -m benchmarks.reproducibility", *(argv if argv is not None else sys.argv[1:])]).strip()
+    command = command_line("reproducibility", argv)
     md = markdown(res, run, recipe, Path(args.against), command)
     out = Path(args.out)
     write_text_atomic(out, md)

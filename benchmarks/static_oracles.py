@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
+from benchmarks import command_line
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate import pipeline
 from calibrate.adapters import as_world
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                       for oracle, modes in oracles.items()}
                for name, trajs in sets.items()}
     bits = {name: added_bits(recipe, modes) for name, modes in oracles.items()}
-    command = "python -m benchmarks.static_oracles " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = command_line("static_oracles", argv)
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     md = markdown(results, bits, command, (time.time() - t0) / 60, args.frames, str(shown))
     out = Path(args.out)

@@ -20,6 +20,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks import command_line
 from calibrate.io import write_text_atomic
 
 PROBE = """
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
             rows.append({"num_frames": n, "peak_rss_mib": round(rss, 1), "seconds": round(seconds, 1)})
             print(f"{n:5d} frames: peak RSS {rss:8.1f} MiB ({seconds:.0f} s)")
     ratio = rows[-1]["peak_rss_mib"] / rows[0]["peak_rss_mib"]
-    command = "python -m benchmarks.stats_memory " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("stats_memory", argv)
     result = {"rows": rows, "ratio": round(ratio, 4), "target": 1.2, "met": ratio <= 1.2, "command": command}
     lines = ["# Peak memory of task=stats vs rollout length", "",
              f"Command: `{command}`  ", f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",

@@ -24,6 +24,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from benchmarks import command_line
 from calibrate.io import write_text_atomic
 
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     for scale in scales:
         print(f"unit x{scale:g} ...", flush=True)
         rows[scale] = evaluate(scaled(recipe, scale, run_dir / f"x{scale:g}.safetensors"), run_dir / f"x{scale:g}")
-    command = " ".join(["python -m benchmarks.step_scale", *(argv if argv is not None else sys.argv[1:])]).strip()
+    command = command_line("step_scale", argv)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = markdown(rows, command, date, recipe)
     out = Path(args.out)
