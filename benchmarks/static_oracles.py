@@ -43,14 +43,11 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 
-from benchmarks import command_line
+from benchmarks import command_line, model_config
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate import pipeline
 from calibrate.adapters import as_world
-from calibrate.config import CONF_DIR, to_config
 from calibrate.io import write_text_atomic
 from calibrate.recipe import load_recipe
 from calibrate.replay import rollout_batch
@@ -211,10 +208,9 @@ def main(argv=None) -> int:
     oracles = {name: ORACLES[name] for name in args.oracle or ORACLES}
     t0 = time.time()
     try:
-        with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-            cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
-    except HydraException as err:
-        print(f"static_oracles: --model {args.model}: {str(err).splitlines()[0]}", file=sys.stderr)
+        cfg = model_config(args.model)
+    except ValueError as err:
+        print(f"static_oracles: {err}", file=sys.stderr)
         return 2
     device = torch.device("cpu")
     world = as_world(pipeline.load_world(cfg, device))
