@@ -89,6 +89,7 @@ class ErrorVariantCache(FakePredictiveCache):
         super().__init__(recipe, window, sink_frames)
         self.variant, self.gen = variant, torch.Generator().manual_seed(seed)
         self.energy = None  # [B, L, 2 (K, V), 2 (signal, error)] float64: what this cache's own rollout stored
+        self.first = None  # the same for frame 0 alone
 
     def append(self, layer, k_BHTD, v_BHTD, key_rope) -> int:
         coded = [torch.stack([c.code(x[:, h]) for h, c in enumerate(self.coders[layer][kv])], 1)
@@ -99,14 +100,18 @@ class ErrorVariantCache(FakePredictiveCache):
             errors = [torch.zeros_like(x) if bits is None else per_token_uniform(x, bits) - x for x in (k_BHTD, v_BHTD)]
         if self.energy is None:
             self.energy = torch.zeros(k_BHTD.shape[0], self.num_layers, 2, 2, dtype=torch.float64)
-        for i, (x, e) in enumerate(zip((k_BHTD, v_BHTD), errors)):
-            self.energy[:, layer, i, 0] += x.double().pow(2).sum((1, 2, 3))
-            self.energy[:, layer, i, 1] += e.double().pow(2).sum((1, 2, 3))
+            self.first = torch.zeros_like(self.energy)
+        for acc in (self.energy, self.first) if self._num_appended[layer] == 0 else (self.energy,):
+            for i, (x, e) in enumerate(zip((k_BHTD, v_BHTD), errors)):
+                acc[:, layer, i, 0] += x.double().pow(2).sum((1, 2, 3))
+                acc[:, layer, i, 1] += e.double().pow(2).sum((1, 2, 3))
         return KVCache.append(self, layer, k_BHTD + errors[0], v_BHTD + errors[1], key_rope)
 
-    def sqnr_db(self) -> torch.Tensor:
-        """[B, 2]: stored K / V SQNR in this cache's own rollout, dB, mean over layers."""
-        return (10 * torch.log10(self.energy[..., 0] / self.energy[..., 1])).mean(1)
+    def sqnr_db(self, first: bool = False) -> torch.Tensor:
+        """[B, 2]: stored K / V SQNR in this cache's own rollout (of frame 0 alone with `first`), dB,
+        mean over layers."""
+        e = self.first if first else self.energy
+        return (10 * torch.log10(e[..., 0] / e[..., 1].clamp_min(1e-300))).mean(1)
 
 
 def markdown(results: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
@@ -130,6 +135,12 @@ def markdown(results: dict, command: str, minutes: float, frames: int, recipe: s
         gap = sum(res[f]["scheme"][late] - res[f]["twin"][late] for f in fams) / len(fams)
         flick = sum(res[f]["flicker"] for f in fams) / len(fams)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean:.2f} | {gap:+.1f} | {flick:.5f} |")
+    shipped = results.get("shipped")
+    if shipped:
+        lines += ["", "The shipped recipe's stored SQNR (own rollout, K / V dB, mean over layers): frame 0 alone "
+                  "against every frame.", "", "| family | frame 0 | every frame |", "|---|---|---|"]
+        lines += [f"| {f} | {r['frame0_sqnr_k']:.1f} / {r['frame0_sqnr_v']:.1f} | {r['own_sqnr_k']:.1f} / "
+                  f"{r['own_sqnr_v']:.1f} |" for f, r in shipped.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -159,8 +170,9 @@ def main(argv=None) -> int:
         made = []  # roll_variant makes two: the fp rollout's shadow, then the variant's own rollout
         make = lambda n=name: made.append(ErrorVariantCache(recipe, window, sinks, n)) or made[-1]
         results[name] = roll_variant(world, recipe, trajs, "nearest", 0, 1.0, window, sinks, device, make=make)
-        for t, own in zip(trajs, made[-1].sqnr_db().tolist()):
+        for t, own, first in zip(trajs, made[-1].sqnr_db().tolist(), made[-1].sqnr_db(first=True).tolist()):
             results[name][t.family]["own_sqnr_k"], results[name][t.family]["own_sqnr_v"] = own
+            results[name][t.family]["frame0_sqnr_k"], results[name][t.family]["frame0_sqnr_v"] = first
     md = markdown(results, command_line("error_twins", argv), (time.time() - t0) / 60, args.frames, f"recipes/{path.name}")
     out = Path(args.out)
     name = "error_twins" if args.model == "tinyworld" else f"error_twins_{args.model}"
