@@ -28,3 +28,14 @@ def model_config(model: str):
             return to_config(compose(config_name="config", overrides=[f"model={model}"]))
     except HydraException as err:
         raise ValueError(f"--model {model}: {str(err).splitlines()[0]}") from None
+
+
+def write_report(out_dir: str | Path, name: str, markdown: str, data) -> None:
+    """`<name>.md` and `<name>.json` under `out_dir`, each written atomically; the Markdown printed."""
+    import json
+
+    from calibrate.io import write_text_atomic
+
+    write_text_atomic(Path(out_dir) / f"{name}.md", markdown)
+    write_text_atomic(Path(out_dir) / f"{name}.json", json.dumps(data, indent=1))
+    print(markdown)

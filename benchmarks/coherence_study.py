@@ -48,23 +48,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from benchmarks import command_line
+from benchmarks import command_line, model_config, write_report
 from benchmarks.kv_stats import FrameRecorder
 from calibrate import pipeline
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
-from calibrate.config import CONF_DIR, to_config
 from calibrate.evaluate import metrics as M
 from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
-from calibrate.io import write_text_atomic
 from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
 from calibrate.recipe import load_recipe
@@ -321,9 +316,18 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--model", default="tinyworld", help="a conf/model preset with a shipped recipe (tinyworld, wanworld)")
     args = p.parse_args(argv)
+    unknown = [name for name in args.variants.split(",") if name and name not in VARIANTS]
+    if args.frames <= 16 or unknown:
+        problem = f"--frames must be above 16 (the error is split on frames 16 on), got {args.frames}" if not unknown \
+            else f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}"
+        print(f"coherence_study: {problem}", file=sys.stderr)
+        return 2
     t0 = time.time()
-    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=[f"model={args.model}"]))
+    try:
+        cfg = model_config(args.model)
+    except ValueError as err:
+        print(f"coherence_study: {err}", file=sys.stderr)
+        return 2
     device = torch.device("cpu")
     world = as_world(pipeline.load_world(cfg, device))
     path = pipeline.ours_recipe(world.info)
@@ -336,11 +340,8 @@ def main(argv=None) -> int:
     command = command_line("coherence_study", argv)
     md = markdown(decomp, variants, command, (time.time() - t0) / 60, args.frames,
                   f"recipes/{path.name}, window {window} + {sinks} sink")
-    out = Path(args.out)
     name = "coherence_study" if args.model == "tinyworld" else f"coherence_study_{args.model}"
-    write_text_atomic(out / f"{name}.md", md)
-    write_text_atomic(out / f"{name}.json", json.dumps({"decomposition": decomp, "variants": variants}, indent=1))
-    print(md)
+    write_report(args.out, name, md, {"decomposition": decomp, "variants": variants})
     return 0
 
 

@@ -34,19 +34,16 @@ rollouts: evaluation seeds 0-3, static, pan, orbit, dolly (`coherence_study.md`'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks import command_line, model_config
+from benchmarks import command_line, model_config, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate import pipeline
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache
-from calibrate.io import write_text_atomic
 from calibrate.recipe import load_recipe
 from calibrate.world.trajectories import make_trajectories
 
@@ -174,11 +171,8 @@ def main(argv=None) -> int:
             results[name][t.family]["own_sqnr_k"], results[name][t.family]["own_sqnr_v"] = own
             results[name][t.family]["frame0_sqnr_k"], results[name][t.family]["frame0_sqnr_v"] = first
     md = markdown(results, command_line("error_twins", argv), (time.time() - t0) / 60, args.frames, f"recipes/{path.name}")
-    out = Path(args.out)
     name = "error_twins" if args.model == "tinyworld" else f"error_twins_{args.model}"
-    write_text_atomic(out / f"{name}.md", md)
-    write_text_atomic(out / f"{name}.json", json.dumps(results, indent=1))
-    print(md)
+    write_report(args.out, name, md, results)
     return 0
 
 

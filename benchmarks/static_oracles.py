@@ -37,18 +37,16 @@ trajectory per family; issue 28's targets are measured there) and `coherence_stu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks import command_line, model_config
+from benchmarks import command_line, model_config, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate import pipeline
 from calibrate.adapters import as_world
-from calibrate.io import write_text_atomic
 from calibrate.recipe import load_recipe
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
@@ -234,12 +232,9 @@ def main(argv=None) -> int:
     command = command_line("static_oracles", argv)
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     md = markdown(results, bits, command, (time.time() - t0) / 60, args.frames, str(shown))
-    out = Path(args.out)
     name = (f"static_oracles_{path.stem}" if args.recipe else
             "static_oracles" if args.model == "tinyworld" else f"static_oracles_{args.model}")
-    write_text_atomic(out / f"{name}.md", md)
-    write_text_atomic(out / f"{name}.json", json.dumps({"added_bits": bits, "results": results}, indent=1))
-    print(md)
+    write_report(args.out, name, md, {"added_bits": bits, "results": results})
     return 0
 
 
