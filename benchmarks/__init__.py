@@ -30,6 +30,32 @@ def model_config(model: str):
         raise ValueError(f"--model {model}: {str(err).splitlines()[0]}") from None
 
 
+def shipped_setup(model: str, recipe_path: str | None = None, device=None):
+    """(cfg, world, recipe path, recipe) for the studies that roll a model out with a recipe: the
+    `model` preset's world and its shipped recipe (or `recipe_path`). ValueError in one line for an
+    unknown preset or an unreadable recipe."""
+    import torch
+
+    from calibrate import pipeline
+    from calibrate.adapters import as_world
+    from calibrate.recipe import load_recipe
+
+    cfg = model_config(model)
+    world = as_world(pipeline.load_world(cfg, device or torch.device("cpu")))
+    path = Path(recipe_path) if recipe_path else pipeline.ours_recipe(world.info)
+    try:
+        return cfg, world, path, load_recipe(path, world.info)
+    except OSError as err:
+        raise ValueError(str(err)) from None
+
+
+def window_note(label: str, frames: int) -> str:
+    """" (the nominal label: frames a-b here)" when a window `label` "a-c" is cut short by a rollout
+    of `frames` frames (metrics.window_means keeps the nominal label), else ""."""
+    start, _, stop = label.partition("-")
+    return f" (the nominal label: frames {start}-{frames - 1} here)" if stop.isdigit() and frames < int(stop) else ""
+
+
 def write_report(out_dir: str | Path, name: str, markdown: str, data) -> None:
     """`<name>.md` and `<name>.json` under `out_dir`, each written atomically; the Markdown printed."""
     import json

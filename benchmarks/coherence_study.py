@@ -53,16 +53,13 @@ import time
 
 import torch
 
-from benchmarks import command_line, model_config, write_report
+from benchmarks import command_line, shipped_setup, write_report
 from benchmarks.kv_stats import FrameRecorder
-from calibrate import pipeline
-from calibrate.adapters import as_world
 from calibrate.cache import KVCache
 from calibrate.evaluate import metrics as M
 from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
 from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
-from calibrate.recipe import load_recipe
 from calibrate.replay import rollout_batch
 from calibrate.shadow import ShadowCache
 from calibrate.world.trajectories import make_trajectories
@@ -89,9 +86,13 @@ class HeadCoder:
             return torch.floor(x + torch.rand(x.shape, generator=self.gen))
         return torch.round(x)
 
+    def units(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """tau = ((x - mean) @ R) / unit on this coder's grid (quant/predictive.to_units at adapt 0)."""
+        return ((x_BTD.float() - self.p.mean_D) @ self.p.rotation_DD) / self.unit
+
     def code(self, x_BTD: torch.Tensor) -> torch.Tensor:
         p, n = self.p, self.n
-        tau = ((x_BTD.float() - p.mean_D) @ p.rotation_DD) / self.unit
+        tau = self.units(x_BTD)
         d = torch.zeros_like(tau)
         if self.rounding == "subtractive":  # 0 on uncoded components (they have no levels)
             d = (torch.rand(tau.shape, generator=self.gen) - 0.5) * (p.bits_D > 0)
@@ -323,15 +324,12 @@ def main(argv=None) -> int:
         print(f"coherence_study: {problem}", file=sys.stderr)
         return 2
     t0 = time.time()
+    device = torch.device("cpu")
     try:
-        cfg = model_config(args.model)
+        cfg, world, path, recipe = shipped_setup(args.model, device=device)
     except ValueError as err:
         print(f"coherence_study: {err}", file=sys.stderr)
         return 2
-    device = torch.device("cpu")
-    world = as_world(pipeline.load_world(cfg, device))
-    path = pipeline.ours_recipe(world.info)
-    recipe = load_recipe(path, world.info)
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     decomp = where_the_error_lies(world, recipe, ["static", "pan", "orbit"], min(args.frames, 128), window, sinks, device)
     trajs = make_trajectories(["static", "pan", "orbit", "dolly"], "evaluation", 4, args.frames)

@@ -39,12 +39,9 @@ import time
 
 import torch
 
-from benchmarks import command_line, model_config, write_report
+from benchmarks import command_line, shipped_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
-from calibrate import pipeline
-from calibrate.adapters import as_world
 from calibrate.cache import KVCache
-from calibrate.recipe import load_recipe
 from calibrate.world.trajectories import make_trajectories
 
 FAMILIES = ["static", "pan", "orbit", "dolly"]
@@ -114,12 +111,10 @@ class ErrorVariantCache(FakePredictiveCache):
 def markdown(results: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
     fams = list(next(iter(results.values())))
     late = list(next(iter(results.values()))[fams[0]]["scheme"])[-1]
-    start, _, stop = late.partition("-")
-    cut = f" (the nominal label: frames {start}-{frames - 1} here)" if stop.isdigit() and frames < int(stop) else ""
     lines = ["# Which property of the stored error costs: direction, placement or persistence", "",
              f"Command: `{command}`, {minutes:.1f} min on this 2-core CPU (torch threads {torch.get_num_threads()}). "
              f"`{recipe}`, {frames} frames; the variants are in the module docstring of `benchmarks/error_twins.py`.", "",
-             f"PSNR vs the fp rollout, frames {late}{cut}: variant / the noise twin (gap); SQNR = stored K / V dB, mean "
+             f"PSNR vs the fp rollout, frames {late}{window_note(late, frames)}: variant / the noise twin (gap); SQNR = stored K / V dB, mean "
              "over layers, teacher-forced (on the fp rollout's K/V, which the twin is drawn for; equal in every row by "
              "construction), then in the variant's own rollout (`own`: each frame counted once, when it is stored; the "
              "teacher-forced one counts a frame once per step that attends to it).", "",
@@ -151,15 +146,12 @@ def main(argv=None) -> int:
         print(f"error_twins: --frames must be at least 2, got {args.frames}", file=sys.stderr)
         return 2
     t0 = time.time()
+    device = torch.device("cpu")
     try:
-        cfg = model_config(args.model)
+        cfg, world, path, recipe = shipped_setup(args.model, device=device)
     except ValueError as err:
         print(f"error_twins: {err}", file=sys.stderr)
         return 2
-    device = torch.device("cpu")
-    world = as_world(pipeline.load_world(cfg, device))
-    path = pipeline.ours_recipe(world.info)
-    recipe = load_recipe(path, world.info)
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     trajs = make_trajectories(FAMILIES, "evaluation", len(FAMILIES), args.frames)
     results = {}

@@ -144,9 +144,9 @@ def main(argv=None) -> int:
     command = command_line("jensen", argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "jensen.md", markdown(rows, command.strip(), setup, time.time() - start))
+    write_text_atomic(out / "jensen.md", markdown(rows, command, setup, time.time() - start))
     write_text_atomic(out / "jensen.json", json.dumps({"setup": setup, "rows": rows}, indent=2, sort_keys=True) + "\n")
-    print(markdown(rows, command.strip(), setup, time.time() - start))
+    print(markdown(rows, command, setup, time.time() - start))
     return 0
 
 

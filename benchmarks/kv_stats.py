@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from benchmarks import command_line
+from benchmarks import command_line, write_report
 from calibrate.cache import Attended, KVCache
 from calibrate.io import write_text_atomic
 from calibrate.world.trajectories import make_trajectories
@@ -158,9 +158,7 @@ def run_study(module: str, argv: Sequence[str] | None, models: str, frames: int,
         return 2
     command = command_line(module, argv)
     md = markdown(results, command, (time.time() - t0) / 60)
-    write_text_atomic(Path(out) / f"{module}.md", md)
-    write_text_atomic(Path(out) / f"{module}.json", json.dumps(results, indent=1))
-    print(md)
+    write_report(out, module, md, results)
     return 0
 
 

@@ -43,11 +43,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import command_line, model_config, write_report
+from benchmarks import command_line, shipped_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
-from calibrate import pipeline
-from calibrate.adapters import as_world
-from calibrate.recipe import load_recipe
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
 
@@ -77,7 +74,7 @@ class OracleCoder:
         if self.mode == "exact":
             return x_BTD.float()
         c, p = self.coder, self.coder.p
-        tau = ((x_BTD.float() - p.mean_D) @ p.rotation_DD) / c.unit
+        tau = c.units(x_BTD)
         if self.bits is not None:
             if self.sigma is None:
                 self.sigma = tau.flatten(0, -2).std(0)
@@ -136,8 +133,7 @@ class SigmaRecorder:
         self.coder, self.n, self.s1, self.s2 = coder, 0, 0.0, 0.0
 
     def code(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        p = self.coder.p
-        tau = (((x_BTD.float() - p.mean_D) @ p.rotation_DD) / self.coder.unit).flatten(0, -2).double()
+        tau = self.coder.units(x_BTD).flatten(0, -2).double()
         self.n, self.s1, self.s2 = self.n + len(tau), self.s1 + tau.sum(0), self.s2 + (tau * tau).sum(0)
         return self.coder.code(x_BTD)
 
@@ -174,9 +170,8 @@ def markdown(results: dict, bits: dict, command: str, minutes: float, frames: in
     for set_name, rows in results.items():
         fams = list(next(iter(rows.values())))
         late = list(next(iter(rows.values()))[fams[0]]["scheme"])[-1]
-        start, _, stop = late.partition("-")
-        cut = f" (the nominal label: frames {start}-{frames - 1} here)" if stop.isdigit() and frames < int(stop) else ""
-        lines += [f"## {set_name}", "", f"PSNR vs the fp rollout, frames {late}{cut}: oracle / its noise twin; "
+        lines += [f"## {set_name}", "", f"PSNR vs the fp rollout, frames {late}{window_note(late, frames)}: "
+                  "oracle / its noise twin; "
                   "SQNR = stored K / V dB, mean over layers.", "",
                   "| oracle | + bits | " + " | ".join(fams) + " | mean | flicker |", "|---|---|" + "---|" * (len(fams) + 2)]
         for name, res in rows.items():
@@ -205,17 +200,10 @@ def main(argv=None) -> int:
         return 2
     oracles = {name: ORACLES[name] for name in args.oracle or ORACLES}
     t0 = time.time()
-    try:
-        cfg = model_config(args.model)
-    except ValueError as err:
-        print(f"static_oracles: {err}", file=sys.stderr)
-        return 2
     device = torch.device("cpu")
-    world = as_world(pipeline.load_world(cfg, device))
-    path = Path(args.recipe) if args.recipe else pipeline.ours_recipe(world.info)
     try:
-        recipe = load_recipe(path, world.info)
-    except (OSError, ValueError) as err:
+        cfg, world, path, recipe = shipped_setup(args.model, args.recipe, device)
+    except ValueError as err:
         print(f"static_oracles: {err}", file=sys.stderr)
         return 2
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
