@@ -22,6 +22,9 @@ at a time at the same budget:
                          lost 0.8 dB on WanWorld)
     ours_lambda0         no temporal term in the teacher-forced objective
     ours_scalar          the per-frame fitter of earlier releases (fit.code=scalar) at 2.5 bits
+    ours_no_sink_code    the sink frame as the chain's all-intra first frame (fit.sink_bits=0, the
+                         previous release) instead of its own 6-bit code
+    ours_sink4, ours_sink8  (sweeps, not ablations) the sink code at 4 or 8 bits per component
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -33,7 +36,8 @@ rollout through the runtime (alone or shared, as stated). Recipes go to --run-di
 and finished evaluations to its `partial/`: a rerun reuses the recipes fitted with the same config
 and the evaluations of unchanged recipes.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
-(`--ablations` and `--baselines` cut it to what the CPU time allows).
+(`--ablations` and `--baselines` cut it to what the CPU time allows; `--name` writes a cut run
+under another name, e.g. `sink_code`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 import time
 from dataclasses import replace
@@ -75,6 +80,9 @@ ABLATIONS = {
     "ours_closed_loop": {"closed_loop_scales": [0.7, 1.0, 1.4, 2.0]},
     "ours_lambda0": {"lambda_temporal": 0.0},
     "ours_scalar": {"code": "scalar"},
+    "ours_no_sink_code": {"sink_bits": 0.0},
+    "ours_sink4": {"sink_bits": 4.0},
+    "ours_sink8": {"sink_bits": 8.0},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")
@@ -256,8 +264,12 @@ def main(argv=None) -> int:
     p.add_argument("--baselines", default=BASELINES)
     p.add_argument("--no-sources", action="store_true", help="skip the per-tensor float16 rows")
     p.add_argument("--model", default="tinyworld", help="a conf/model preset (tinyworld, wanworld)")
+    p.add_argument("--name", default=None, help="the report's name (default: fit, or fit_<model>)")
     args = p.parse_args(argv)
     t0 = time.time()
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+        print(f"error: --name {args.name!r}: letters, digits, _ and - only (a file name under --out)", file=sys.stderr)
+        return 2
     ablations = args.ablations.split(",")
     unknown = [n for n in ablations if n not in ABLATIONS]
     if unknown:
@@ -315,7 +327,7 @@ def main(argv=None) -> int:
     md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
                   unrunnable)
     out = Path(args.out)
-    stem = "fit" if args.model == "tinyworld" else f"fit_{args.model}"
+    stem = args.name or ("fit" if args.model == "tinyworld" else f"fit_{args.model}")
     write_text_atomic(out / f"{stem}.md", md)
     write_text_atomic(out / f"{stem}.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,
                                                     "fit": records}, indent=1, sort_keys=True, default=str))

@@ -13,7 +13,10 @@ stored in one of three forms:
   an anchor, so every held frame decodes from held frames only. Re-storing a delta frame as an
   anchor is exact (integers in, the same integers out);
 - **recent** `{"fp16"}`: the newest `recent_frames` frames in float16; a frame leaving that
-  window is coded against its predecessor's states, from its float16 copy.
+  window is coded against its predecessor's states, from its float16 copy;
+- **sink** `{"sink"}` (format 1.3, a spec with `sink_token_bits`): a sink frame (f < the cache's
+  sink count) in the sink code, its fields w + 2^(z-1) packed with the widths `sink_bits`; its
+  states (quant/predictive.sink_states) start the chain like an anchor's.
 
 `frame_role` is the rule shared by the runtime and the memory model; `frame_nbytes` counts the
 bytes of each form from the spec alone.
@@ -23,21 +26,27 @@ from __future__ import annotations
 
 
 def frame_role(index: int, num_appended: int, kept: set[int] | list[int], recent_frames: int,
-               temporal: bool = True) -> str:
-    """'recent', 'anchor' or 'delta': how frame `index` of a predictive tensor is held (without
-    `temporal` every frame is standalone: no anchors)."""
+               temporal: bool = True, sink_coded: int = 0) -> str:
+    """'recent', 'sink', 'anchor' or 'delta': how frame `index` of a predictive tensor is held
+    (without `temporal` every frame is standalone: no anchors). `sink_coded`: frames below it are
+    held in the sink code (the cache's sink count for a spec with `sink_token_bits`, else 0)."""
     if recent_frames > 0 and index >= num_appended - recent_frames:
         return "recent"
+    if index < sink_coded:
+        return "sink"
     if temporal and index > 0 and (index - 1) not in kept:
         return "anchor"
     return "delta"
 
 
-def frame_nbytes(role: str, token_bits: int, anchor_token_bits: int, B: int, T: int, D: int) -> int:
+def frame_nbytes(role: str, token_bits: int, anchor_token_bits: int, B: int, T: int, D: int,
+                 sink_token_bits: int = 0) -> int:
     """Bytes of one head of one frame held in `role` (token_bits = sum of channel_bits, anchor
-    likewise): delta = modes + codes, anchor = states, recent = float16."""
+    and sink likewise): delta = modes + codes, anchor = states, sink = its fields, recent = float16."""
     if role == "recent":
         return 2 * B * T * D
+    if role == "sink":
+        return B * T * -(-sink_token_bits // 8)
     if role == "anchor":
         return B * T * -(-anchor_token_bits // 8)
     return B * -(-T // 8) + B * T * -(-token_bits // 8)

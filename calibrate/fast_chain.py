@@ -10,6 +10,8 @@ defines their stored forms, in fixed buffers allocated once:
     modes   uint8 [B, M, G, ceil(T/8)] one bit per token and head (1 = inter)
     anchor  uint8 [B, Ca, T]          the one anchor frame (the oldest window frame, once the window
                                       has slid past the sinks: chain.frame_role allows no other)
+    sinks   uint8 [B, S, Cz, T]       with a sink code (format 1.3): the sink frames' codes (their
+                                      main slots stay unused)
     recent  float16 [B, G, R, T, D]   the newest `recent_frames` frames, ring by frame % R
 
 with M = sink_frames + window - recent_frames main slots: frame f < sink in slot f, later frames
@@ -19,7 +21,8 @@ f is coded. A step never moves a frame and allocates no storage.
 Decoding a step (`step`, blockwise over tokens: every token's chain is independent):
 
 1. unpack the codes and modes of the held chain frames, oldest first; intra values
-   s^I (2c - n), inter steps s^P (2c - n); the anchor's states replace its frame's (a reset);
+   s^I (2c - n), inter steps s^P (2c - n); the anchor's states replace its frame's (a reset), and
+   so do a sink code's states its sink frame's;
 2. `quant/chainscan.segmented_states`: every frame's integer states in one scan;
 3. code the frame that joins the chain (the new one, or the one leaving the recent window)
    against its predecessor's states, exactly as `quant/predictive.encode` (same float32
@@ -81,6 +84,7 @@ class ChainStore:
         self.R = policy.recent_frames
         self.Wm = max(window - self.R, 0)
         self.M = sink_frames + self.Wm
+        self.S = sink_frames if code.has_sink else 0  # frames held in the sink code
         self.device = torch.device(device)
         self.set_block(token_block or tokens_per_frame)
         self.anchor_frame: int | None = None
@@ -103,6 +107,7 @@ class ChainStore:
         self.modes = torch.zeros(B, self.M, G, -(-T // 8), dtype=torch.uint8, device=dev)
         self.anchor = torch.zeros(B, self.code.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
+        self.sinks = torch.zeros(B, self.S, self.code.sink_layout.nbytes if self.S else 0, T, dtype=torch.uint8, device=dev)
         S = self.recall_slots  # a memory plan's recall slots, frames in host form
         held = {"anchor": self.anchor[:, None]} if self.temporal else {"codes": self.codes, "modes": self.modes}
         self.slots = {name: t.new_zeros(B, S, *t.shape[2:]) for name, t in held.items()}
@@ -143,8 +148,10 @@ class ChainStore:
         codes = self.codes[..., tokens].index_select(1, slots)  # [B, J, C, Tb]
         modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
         anchor = self.anchor[..., tokens] if a is not None else None  # [B, Ca, Tb]
+        S = sum(f < self.S for f in chain)  # sink frames come first
+        sinks = self.code.sink_states(self.sinks[:, :S, :, tokens]) if S else None
         return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1,
-                              len(chain) > SCAN_MATMUL_FRAMES)
+                              len(chain) > SCAN_MATMUL_FRAMES, sinks)
 
     # ---- a step -----------------------------------------------------------------------------
     @property
@@ -245,7 +252,7 @@ class ChainStore:
             if with_e:
                 v_e = self.code.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
-            yield self._block(kept, recent_slots, tokens, cos, sin)
+            yield self._block(kept, recent_slots, tokens, cos, sin, sum(f < self.S for f in hist_chain))
         if commit:
             self.anchor_frame = anchor_post
 
@@ -254,21 +261,15 @@ class ChainStore:
         returns e's states [B, G, Tb, D]."""
         v_e = None
         if e is not None:
-            if self.R:
-                x_e = self.recent[:, :, e % self.R, tokens].float()
+            x_e = self.recent[:, :, e % self.R, tokens].float() if self.R else x_BGTD
+            if e < self.S:  # a sink frame: the sink code
+                w, v_e = self.code.encode_sink(x_e)
+                self.code.pack_sink(w.permute(0, 2, 1, 3), self.sinks[:, e, :, tokens])
             else:
-                x_e = x_BGTD
-            v_prev = None
-            if prev is not None:
-                v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
-            inter, c, v_e = self.code.encode(x_e, v_prev)
-            slot = self.slot(e)
-            B, G, Tb, D = c.shape
-            self.code.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
-            bits = inter if Tb % 8 == 0 else torch.nn.functional.pad(inter, (0, -Tb % 8))
-            byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
-            t0 = tokens.start // 8
-            self.modes[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
+                v_prev = None
+                if prev is not None:
+                    v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
+                v_e = self._store_delta(e, tokens, *self.code.encode(x_e, v_prev))
         if self.R:
             self.recent[:, :, index % self.R, tokens] = x_BGTD.to(FP)
         if anchor_post is not None and anchor_post != self.anchor_frame:
@@ -277,6 +278,17 @@ class ChainStore:
             else:
                 v_a = self.code.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
             self.code.pack_anchor(v_a, self.anchor[..., tokens])
+        return v_e
+
+    def _store_delta(self, e: int, tokens: slice, inter: Tensor, c: Tensor, v_e: Tensor) -> Tensor:
+        """Write frame e's modes and codes for `tokens` into its slot; returns its states."""
+        slot = self.slot(e)
+        B, G, Tb, D = c.shape
+        self.code.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
+        bits = inter if Tb % 8 == 0 else torch.nn.functional.pad(inter, (0, -Tb % 8))
+        byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
+        t0 = tokens.start // 8
+        self.modes[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
         return v_e
 
     # ---- a memory plan's host tier and recall slots ------------------------------------------------
@@ -314,12 +326,16 @@ class ChainStore:
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
             yield self._block(states, None, tokens, cos, sin)
 
-    def _block(self, states, recent_slots, tokens: slice, cos, sin):
+    def _block(self, states, recent_slots, tokens: slice, cos, sin, sinks: int = 0):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames (None
-        for a kind this store does not hold)."""
+        for a kind this store does not hold); the first `sinks` chain frames are sink frames in the
+        sink code, valued by it."""
         parts = []
         if states is not None:
-            parts.append(self.code.values(states))  # [B, G, J, Tb, D]
+            x = self.code.values(states)  # [B, G, J, Tb, D]
+            if sinks:
+                x[:, :, :sinks] = self.code.sink_values(self.sinks[:, :sinks, :, tokens])
+            parts.append(x)
         if recent_slots is not None:
             parts.append(self.recent[:, :, recent_slots, tokens].float())
         x = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
@@ -339,14 +355,14 @@ class ChainStore:
         chain = self.chain(n)
         a = self.anchor_of(chain)
         delta = self.codes[:, 0].numel() + self.modes[:, 0].numel()
-        total = sum(self.anchor.numel() if f == a else delta for f in chain)
+        total = sum(self.anchor.numel() if f == a else self.sinks[:, 0].numel() if f < self.S else delta for f in chain)
         slots = sum(t[:, : self.filled].numel() for t in self.slots.values())
         return total + slots + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
 
     def capacity_nbytes(self) -> int:
         if self.B is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent,
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent, self.sinks,
                                                           *self.slots.values()))
 
 

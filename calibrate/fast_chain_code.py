@@ -12,6 +12,8 @@ frames (`fast_chain.ChainStore` holds them):
   FORMAT.md's bound of the reference's values;
 - `encode`: `quant/predictive.encode` itself, every head at once;
 - `anchor_states` / `pack_anchor`: an anchor's packed fields <-> its states;
+- `encode_sink` / `sink_states` / `sink_values`: the sink code (format 1.3) of a sink frame, its
+  packed fields -> the chain's states after it, and -> its values (every component);
 - `expand` / `compact`: coded components <-> all D components.
 
 Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head the
@@ -40,9 +42,18 @@ class ChainCode:
         bits, self.s_intra, self.s_inter = cat("channel_bits"), cat("intra_step"), cat("inter_step")
         anchor_bits = cat("anchor_bits")
         self.levels = (1 << bits) - 1
+        self.has_sink = "sink_unit" in tensors[0]
+        if any(("sink_unit" in t) != self.has_sink for t in tensors):
+            raise ValueError("a layer's predictive K and V must both have a sink code or neither")
+        if self.has_sink:
+            self.sink_unit, sink_bits = cat("sink_unit"), cat("sink_bits")
+            self.sink_layout = RowLayout.concat(sink_bits.tolist(), device)
+            self.sink_offset = torch.where(sink_bits > 0, 1 << (sink_bits - 1).clamp_min(0), 0)
         self.offset = torch.where(anchor_bits > 0, 1 << (anchor_bits - 1).clamp_min(0), 0)
         self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
-                                                  self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None])
+                                                  self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
+                                                  *((self.sink_unit[:, None], sink_bits[:, None]) if self.has_sink
+                                                    else (None, None)))
         self.codes_layout = RowLayout.concat(bits.tolist(), device)
         self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
         # coded components first per head (see the module docstring)
@@ -73,13 +84,16 @@ class ChainCode:
         self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
         self._scan_core, self._values_core = self._scan, self._values
 
-    def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
+    def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
+             sinks: Tensor | None = None) -> Tensor:
         """Integer states [B, Tb, G, J, Dc] (float32, exact integers) of J chain frames from their
         packed codes [B, J, C, Tb] and modes [B, J, G, Tb/8], frame j's states replaced by the
-        anchor [B, Ca, Tb] (a reset; None: no anchor); `long` chains by a running sum."""
-        return self._scan_core(codes, modes, anchor, j, long)
+        anchor [B, Ca, Tb] (a reset; None: no anchor), the first S frames' by `sinks` [B, Tb, G, S,
+        Dc] (`sink_states`: resets; None: no sink frame in the chain); `long` chains by a running sum."""
+        return self._scan_core(codes, modes, anchor, j, long, sinks)
 
-    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool) -> Tensor:
+    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
+              sinks: Tensor | None = None) -> Tensor:
         """`scan` (tensors in, tensors out: compilable)."""
         c = self.codes_c.unpack_columns(codes)  # [B, J, G*Dc, Tb]
         B, J, _, Tb = c.shape
@@ -88,13 +102,18 @@ class ChainCode:
         k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
         bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
         reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
-        if anchor is not None:
+        S = 0 if sinks is None else sinks.shape[-2]
+        if anchor is not None or S:
             reset = reset.clone()
-            reset[..., j] = True
+            reset[..., :S] = True
+            if anchor is not None:
+                reset[..., j] = True
         resetf = reset.to(dtype).unsqueeze(-1)
         contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
         if anchor is not None:
             contrib[..., j, :] = self.anchor_states(anchor, dtype)
+        if S:
+            contrib[..., :S, :] = sinks.to(dtype)
         if long:  # long chains: one running sum (quant/chainscan.py), O(J)
             return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
         positions = torch.arange(J, device=c.device)
@@ -107,6 +126,33 @@ class ChainCode:
         fields = self.anchor_c.unpack_columns(anchor)
         *lead, _, Tb = fields.shape
         return fields.view(*lead, self.G, self.Dc, Tb).movedim(-1, -3).to(dtype) - self.offset_c
+
+    def encode_sink(self, x_BGTD: Tensor) -> tuple[Tensor, Tensor]:
+        """quant/predictive's sink code, every head at once: (w, the chain's states) [B, G, T, D] int64."""
+        w = predictive.sink_code(x_BGTD, self.params)
+        return w, predictive.sink_states(w, self.params)
+
+    def pack_sink(self, w: Tensor, out: Tensor) -> None:
+        """Pack a sink code [B, Tb, G, D] into `out` [B, Cz, Tb]."""
+        B, Tb = w.shape[:2]
+        self.sink_layout.pack((w + self.sink_offset).reshape(B, Tb, -1), out=out.transpose(-1, -2))
+
+    def sink_code_of(self, packed: Tensor) -> Tensor:
+        """Packed sink codes [B, S, Cz, Tb] -> w [B, S, G, Tb, D] int64."""
+        fields = self.sink_layout.unpack_columns(packed)  # [B, S, G*D, Tb]
+        B, S, _, Tb = fields.shape
+        w = fields.view(B, S, self.G, self.D, Tb).transpose(-1, -2).to(torch.int64)
+        return w - self.sink_offset[:, None, :]
+
+    def sink_states(self, packed: Tensor) -> Tensor:
+        """Packed sink codes [B, S, Cz, Tb] -> the chain's states, coded components [B, Tb, G, S, Dc]
+        (float32, exact integers)."""
+        v = predictive.sink_states(self.sink_code_of(packed), self.params)  # [B, S, G, Tb, D]
+        return self.compact(v.permute(0, 3, 1, 2, 4)).transpose(2, 3)
+
+    def sink_values(self, packed: Tensor) -> Tensor:
+        """Packed sink codes [B, S, Cz, Tb] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
+        return predictive.sink_values(self.sink_code_of(packed), self.params).transpose(1, 2)
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and

@@ -48,7 +48,7 @@ class FastPathError(ValueError):
 
 def fast_path_problem(recipe: Recipe) -> str | None:
     """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None: predictive K
-    and V with different `temporal`, a layer mixing a predictive and a per-frame kind under a memory
+    and V with different `temporal` or one with a sink code, a layer mixing a predictive and a per-frame kind under a memory
     plan or with a logit correction on its keys, the Jensen correction on a kind without a uniform
     step, a head_dim that is not a multiple of 8. No preset or fit writes these."""
     from calibrate import fast_pools
@@ -59,6 +59,8 @@ def fast_path_problem(recipe: Recipe) -> str | None:
         if all(predictive):
             if pair.k.temporal != pair.v.temporal:
                 return f"layer {i}: predictive K and V with different 'temporal'"
+            if (pair.k.sink_token_bits is None) != (pair.v.sink_token_bits is None):
+                return f"layer {i}: predictive K and V, one with a sink code ('sink_token_bits') and one without"
             continue
         if any(predictive):
             mixes = f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"

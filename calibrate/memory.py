@@ -83,26 +83,37 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
             for h in range(model.num_kv_heads):
                 if spec.kind == "predictive":
                     total += predictive_head_bytes(spec.token_bits[h], spec.anchor_token_bits[h], spec.temporal,
-                                                   kept, num_appended, pol.recent_frames, batch, T, D)
+                                                   kept, num_appended, pol.recent_frames, batch, T, D,
+                                                   *sink_code_of(spec, h, sink_frames))
                     continue
                 for f in kept:
                     total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
     return total + span_state_bytes(model, scheme, num_appended, window, sink_frames, batch)
 
 
+def sink_code_of(spec: TensorSpec, head: int, sink_frames: int) -> tuple[int, int]:
+    """(sink_token_bits, sink_coded) of one head of a predictive tensor: its sink code's bits per
+    token and the frames held in it (`chain.frame_role`); (0, 0) without a sink code."""
+    if spec.sink_token_bits is None:
+        return 0, 0
+    return spec.sink_token_bits[head], sink_frames
+
+
 def predictive_head_bytes(token_bits: int, anchor_token_bits: int, temporal: bool, kept: list[int], num_appended: int,
-                          recent_frames: int, batch: int, T: int, D: int) -> int:
+                          recent_frames: int, batch: int, T: int, D: int, sink_token_bits: int = 0,
+                          sink_coded: int = 0) -> int:
     """Bytes of one head of a predictive tensor over the `kept` frames, each in its chain role
     (`chain.frame_role`): the per-head term of `predicted_cache_bytes`, which the fitter's
     mixed precision prices an upgrade of one head with."""
     kept_set = set(kept)
-    return sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal), token_bits,
-                                  anchor_token_bits, batch, T, D) for f in kept)
+    return sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal, sink_coded),
+                                  token_bits, anchor_token_bits, batch, T, D, sink_token_bits) for f in kept)
 
 
 def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int, D: int) -> int:
     """Bytes of one frame of one head of a predictive tensor held in chain `role` (chain.frame_role)."""
-    return chain.frame_nbytes(role, spec.token_bits[head], spec.anchor_token_bits[head], batch, T, D)
+    return chain.frame_nbytes(role, spec.token_bits[head], spec.anchor_token_bits[head], batch, T, D,
+                              spec.sink_token_bits[head] if spec.sink_token_bits is not None else 0)
 
 
 def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_appended: int) -> int:

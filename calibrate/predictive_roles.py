@@ -12,6 +12,11 @@ Per layer and K or V (H heads, D = head_dim), all [H, D] except `rotation` [H, D
                           spec's `anchor_token_bits[h]`; every intra level and inter step fits:
                           intra_step * (2^b - 1) <= 2^(a-1) - 1 and inter_step <= 2^(a-1) - 1
 
+and, with the spec's `sink_token_bits` (the sink code, quant/predictive.py), also [H, D]:
+
+    sink_unit    float32  finite, > 0
+    sink_bits    int64    in [0, 16]; per head they sum to the spec's `sink_token_bits[h]`
+
 `check` raises `ValueError` naming the tensor; the recipe loader turns it into a `RecipeError`
 with the file name. `head_params` builds one head's `PredictiveParams` from those tensors.
 """
@@ -28,14 +33,18 @@ from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictivePara
 FLOAT_ROLES = ("mean", "unit")
 INT_ROLES = ("channel_bits", "intra_step", "inter_step", "anchor_bits")
 ROLES = ("rotation",) + FLOAT_ROLES + INT_ROLES
+SINK_ROLES = ("sink_unit", "sink_bits")
 
 
-def shapes(H: int, D: int) -> dict[str, tuple[int, ...]]:
-    return {"rotation": (H, D, D), **{role: (H, D) for role in FLOAT_ROLES + INT_ROLES}}
+def shapes(H: int, D: int, sink: bool = False) -> dict[str, tuple[int, ...]]:
+    return {"rotation": (H, D, D), **{role: (H, D) for role in FLOAT_ROLES + INT_ROLES + (SINK_ROLES if sink else ())}}
 
 
-def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bits: list[int], prefix: str) -> None:
+def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bits: list[int], prefix: str,
+          sink_token_bits: list[int] | None = None) -> None:
     """Invariants of one layer's K or V roles (shapes are checked by the loader before)."""
+    if sink_token_bits is not None:
+        check_sink(tensors, sink_token_bits, prefix)
     for role in FLOAT_ROLES:
         t = tensors[role]
         if t.dtype != torch.float32 or not torch.isfinite(t).all():
@@ -67,10 +76,23 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
                          f"the spec's anchor_token_bits says {list(anchor_token_bits)}")
 
 
+def check_sink(tensors: Mapping[str, Tensor], sink_token_bits: list[int], prefix: str) -> None:
+    unit, bits = tensors["sink_unit"], tensors["sink_bits"]
+    if unit.dtype != torch.float32 or not torch.isfinite(unit).all() or not (unit > 0).all():
+        raise ValueError(f"tensor '{prefix}.sink_unit' must be finite float32 > 0")
+    if bits.dtype != torch.int64 or ((bits < 0) | (bits > MAX_ANCHOR_BITS)).any():
+        raise ValueError(f"tensor '{prefix}.sink_bits' must be int64 in [0, {MAX_ANCHOR_BITS}]")
+    if bits.sum(-1).tolist() != list(sink_token_bits):
+        raise ValueError(f"tensor '{prefix}.sink_bits' sums to {bits.sum(-1).tolist()} per head, "
+                         f"the spec's sink_token_bits says {list(sink_token_bits)}")
+
+
 def head_params(tensors: Mapping[str, Tensor], head: int) -> PredictiveParams:
+    sink = "sink_unit" in tensors
     return PredictiveParams(tensors["mean"][head], tensors["rotation"][head], tensors["unit"][head],
                             tensors["channel_bits"][head], tensors["intra_step"][head], tensors["inter_step"][head],
-                            tensors["anchor_bits"][head])
+                            tensors["anchor_bits"][head], tensors["sink_unit"][head] if sink else None,
+                            tensors["sink_bits"][head] if sink else None)
 
 
 def stack_heads(params: list[PredictiveParams]) -> dict[str, Tensor]:
@@ -79,4 +101,6 @@ def stack_heads(params: list[PredictiveParams]) -> dict[str, Tensor]:
             "unit": torch.stack([p.unit_D for p in params]), "channel_bits": torch.stack([p.bits_D for p in params]),
             "intra_step": torch.stack([p.intra_step_D for p in params]),
             "inter_step": torch.stack([p.inter_step_D for p in params]),
-            "anchor_bits": torch.stack([p.anchor_bits_D for p in params])}
+            "anchor_bits": torch.stack([p.anchor_bits_D for p in params]),
+            **({"sink_unit": torch.stack([p.sink_unit_D for p in params]),
+                "sink_bits": torch.stack([p.sink_bits_D for p in params])} if params[0].has_sink else {})}

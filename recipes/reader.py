@@ -10,7 +10,7 @@ codebook reconstructions. `tests/test_reader.py` holds it to `calibrate`'s own l
     scale = tensors["layers.0.k.scale"]                   # [H, D] float32 (static per-channel)
     var = tensors.get("layers.0.k.logit_bias")             # [H, D] or None: key-noise logit correction
 
-Format 1.1 and 1.2 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_nvfp4`, `dequantize_turbo` and
+Format 1.1 to 1.3 kinds (FORMAT.md): `dequantize_prq` (Quant VideoGen), `dequantize_nvfp4`, `dequantize_turbo` and
 `dequantize_turbo_prod` (TurboQuant), and `jensen_correction` for specs with `jensen`.
 
 Bit-exact encoding and decoding of the per-frame kinds (FORMAT.md "Arithmetic"): the runtime's
@@ -25,7 +25,9 @@ stored bytes and decoded floats, reproduced from the document alone. Per head of
 (kind "prq" with stages also takes the span's centroids, `span_state`: `prq_span_state` fits them as
 the reference encoder does). Predictive tensors: `predictive_encode` (modes, codes, states of a
 frame), `predictive_store` / `predictive_anchor` (their stored bytes), `predictive_states` and
-`predictive_values` (decoding; values within `predictive_values_bound` of any runtime's). `plan_of(metadata)` gives
+`predictive_values` (decoding; values within `predictive_values_bound` of any runtime's); format
+1.3's sink code: `predictive_sink` (stored bytes), `predictive_states` (the chain's states after
+it) and `predictive_sink_values`. `plan_of(metadata)` gives
 the memory plan, if any (window, sinks, host tier, recall by pose). Sums go through
 `tree_sum` (the halving tree), never `@`. `tests/test_reader_exact.py` runs recipes that use
 every role through the runtime and this reader side by side and compares every byte.
@@ -177,11 +179,16 @@ def unpack_fields(packed, widths):
 def predictive_states(stored, tensors, layer, kind, head, v_prev=None):
     """Integer states [B, T, D] of one head of one held frame of a predictive tensor.
 
-    `stored` is the frame's stored form: {"anchor"} or {"modes", "codes"} (uint8 arrays, chain.py);
-    `v_prev` the previous frame's states (None if it is not held: then every token is intra).
+    `stored` is the frame's stored form: {"anchor"}, {"sink"} or {"modes", "codes"} (uint8 arrays,
+    chain.py); `v_prev` the previous frame's states (None if it is not held: then every token is intra).
     """
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
     bits, anchor = t("channel_bits"), t("anchor_bits")
+    if "sink" in stored:  # format 1.3: clamp(rne((z_unit * w) / unit), -V, V), 0 where uncoded
+        w = predictive_sink_code(stored, tensors, layer, kind, head)
+        V = np.where(anchor > 0, (1 << np.maximum(anchor - 1, 0)) - 1, 0)
+        v = np.rint((t("sink_unit").astype(F32) * w.astype(F32)) / t("unit").astype(F32))
+        return np.clip(v, -V, V).astype(np.int64)
     if "anchor" in stored:
         offset = np.where(anchor > 0, 1 << np.maximum(anchor - 1, 0), 0)
         return unpack_fields(stored["anchor"], anchor) - offset
@@ -202,6 +209,32 @@ def predictive_values(v, tensors, layer, kind, head):
     The product's sum order is not pinned: runtimes agree within `predictive_values_bound`."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float32)
     return (t("unit") * np.asarray(v, dtype=np.float32)) @ t("rotation").T + t("mean")
+
+
+def predictive_sink_code(stored, tensors, layer, kind, head):
+    """A sink frame's code w [B, T, D] int64 from its stored form {"sink"} (format 1.3): fields
+    w + 2^(z - 1) of widths `sink_bits`."""
+    z = np.asarray(tensors[f"layers.{layer}.{kind}.sink_bits"][head])
+    return unpack_fields(stored["sink"], z) - np.where(z > 0, 1 << np.maximum(z - 1, 0), 0)
+
+
+def predictive_sink_values(stored, tensors, layer, kind, head):
+    """A sink frame's values (z_unit * w) @ R^T + mean, float32 (the product's order as in `predictive_values`)."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head], dtype=np.float32)
+    w = predictive_sink_code(stored, tensors, layer, kind, head)
+    return (t("sink_unit") * w.astype(np.float32)) @ t("rotation").T + t("mean")
+
+
+def predictive_sink(x, tensors, layer, kind, head):
+    """A sink frame's stored form {"sink"} (format 1.3): w = clamp(rne(((x - mean) @ R) / z_unit),
+    -Z, Z), Z = 2^(z - 1) - 1, packed as offset-binary fields of widths `sink_bits`; x [B, T, D]
+    float32 as for `predictive_encode`. The product is not pinned (numpy's order here)."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    mean, R, z_unit = (np.asarray(t(r), dtype=F32) for r in ("mean", "rotation", "sink_unit"))
+    z = t("sink_bits")
+    Z = np.where(z > 0, (1 << np.maximum(z - 1, 0)) - 1, 0)
+    w = np.clip(np.rint(((np.asarray(x, dtype=F32) - mean) @ R) / z_unit), -Z, Z).astype(np.int64)
+    return {"sink": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
 
 
 def predictive_values_bound(v, tensors, layer, kind, head):

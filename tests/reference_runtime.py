@@ -156,7 +156,8 @@ class ReferenceCache(KVCache):
         if chain is None:
             return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index), index)
         prev = states.get(index - 1)
-        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h]) for h, c in enumerate(chain)]
+        sink = index < self.sink_frames  # held in the sink code, if the tensor has one
+        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h], sink) for h, c in enumerate(chain)]
         states[index] = [v for _, v in coded]
         return [stored for stored, _ in coded]
 
@@ -289,7 +290,7 @@ class ReferenceCache(KVCache):
         record = self._frames[layer][index]
         if index in states:
             chain = self._chains[(layer, kind)]
-            return torch.stack([c.values(v) for c, v in zip(chain, states[index])], dim=1)
+            return torch.stack([c.values(v, stored) for c, v, stored in zip(chain, states[index], record[kind])], dim=1)
         return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index), index)
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
@@ -355,6 +356,7 @@ class ChainCodec:
         device = params.unit_D.device
         self._codes = FieldLayout(params.bits_D, device)
         self._anchors = FieldLayout(params.anchor_bits_D, device)
+        self._sinks = FieldLayout(params.sink_bits_D, device) if params.has_sink else None
         self._modes: dict[int, FieldLayout] = {}  # tokens per frame -> 1-bit layout
 
     def _mode_layout(self, T: int) -> FieldLayout:
@@ -362,8 +364,12 @@ class ChainCodec:
             self._modes[T] = FieldLayout([1] * T, self.params.unit_D.device)
         return self._modes[T]
 
-    def encode(self, x_BTD: Tensor, v_prev: Tensor | None) -> tuple[dict[str, Tensor], Tensor]:
-        """(stored delta frame, its states) of one frame; `v_prev` None = first frame of a chain."""
+    def encode(self, x_BTD: Tensor, v_prev: Tensor | None, sink: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+        """(stored delta frame, its states) of one frame; `v_prev` None = first frame of a chain; a
+        `sink` frame of a code with sink roles: (its sink code, the states it starts the chain with)."""
+        if sink and self._sinks is not None:
+            w = P.sink_code(x_BTD, self.params)
+            return {"sink": self._sinks.pack(P.sink_fields(w, self.params))}, P.sink_states(w, self.params)
         inter, codes, v = P.encode(x_BTD, self.params, v_prev if self.temporal else None)
         stored = {"modes": self._mode_layout(inter.shape[-1]).pack(inter.to(torch.int64)), "codes": self._codes.pack(codes)}
         return stored, v
@@ -372,7 +378,9 @@ class ChainCodec:
         return {"anchor": self._anchors.pack(P.anchor_fields(v_BTD, self.params))}
 
     def states(self, stored: dict[str, Tensor], v_prev: Tensor | None) -> Tensor:
-        """The integer states of a delta or anchor frame."""
+        """The integer states of a delta, anchor or sink frame."""
+        if "sink" in stored:
+            return P.sink_states(self._sink_code(stored), self.params)
         if "anchor" in stored:
             return P.from_anchor_fields(self._anchors.unpack(stored["anchor"]), self.params)
         inter = self._mode_layout(stored["codes"].shape[-2]).unpack(stored["modes"]).bool()
@@ -382,7 +390,7 @@ class ChainCodec:
         """States of held frames `frames` (ascending) from their stored forms: a frame decodes
         from its predecessor's states when that is held, else it is an anchor or all-intra. The
         delta frames are unpacked in one batch."""
-        deltas = [i for i, s in enumerate(stored) if "anchor" not in s]
+        deltas = [i for i, s in enumerate(stored) if "anchor" not in s and "sink" not in s]
         unpacked = {}
         if deltas:
             T = stored[deltas[0]]["codes"].shape[-2]
@@ -398,5 +406,11 @@ class ChainCodec:
             out.append(P.apply_codes(*unpacked[i], prev, self.params))
         return out
 
-    def values(self, v_BTD: Tensor) -> Tensor:
+    def _sink_code(self, stored: dict[str, Tensor]) -> Tensor:
+        return P.from_sink_fields(self._sinks.unpack(stored["sink"]), self.params)
+
+    def values(self, v_BTD: Tensor, stored: dict[str, Tensor] | None = None) -> Tensor:
+        """A frame's values from its states, or a sink frame's from its sink code."""
+        if stored is not None and "sink" in stored:
+            return P.sink_values(self._sink_code(stored), self.params)
         return P.values(v_BTD, self.params)

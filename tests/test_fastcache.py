@@ -265,10 +265,12 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
 @pytest.mark.parametrize("temporal", [True, False])
 @pytest.mark.parametrize("scan", ["matmul", "running_sum"])
-def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, monkeypatch):
+@pytest.mark.parametrize("sink_bits", [0.0, 6.0])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, monkeypatch):
+    """With and without a sink code (format 1.3: the sink frames in their own code)."""
     if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
         monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
-    recipe = predictive_recipe(recent=recent)
+    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
     assert_chains_like_the_reference(recipe, "kv", window, sink, frames=30, seed=3)
@@ -348,23 +350,23 @@ def test_uncommitted_passes_store_nothing():
 
 
 # ---- a layer mixing kinds; choosing the runtime, bad input -----------------------------------------------
-def mixed_recipe(predictive: str, other: TensorSpec = TensorSpec(bits=2), recent: int = 0) -> Recipe:
+def mixed_recipe(predictive: str, other: TensorSpec = TensorSpec(bits=2), recent: int = 0, sink_bits: float = 0.0) -> Recipe:
     """`predictive_recipe` with the tensor that is not `predictive` ("k" or "v") coded per frame."""
-    pred = predictive_recipe(recent=recent)
+    pred = predictive_recipe(recent=recent, sink_bits=sink_bits)
     kind = "v" if predictive == "k" else "k"
     layers = [replace(p, **{kind: other}) for p in pred.scheme.layers]
     tensors = {k: t for k, t in pred.tensors.items() if f".{kind}." not in k}
     return Recipe(pred.model, Scheme("mixed", layers, pred.scheme.policy), tensors)
 
 
-@pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (4, 1, 2), (3, 0, 0)])
+@pytest.mark.parametrize("window,sink,recent,sink_bits", [(6, 1, 0, 0.0), (4, 1, 2, 0.0), (3, 0, 0, 0.0), (4, 1, 2, 6.0)])
 @pytest.mark.parametrize("predictive,other", [("k", TensorSpec(bits=2)), ("v", TensorSpec(bits=16)),
                                               ("v", TensorSpec(bits=2, axis="channel"))])
-def test_a_layer_mixing_kinds_equals_the_reference(predictive, other, window, sink, recent):
+def test_a_layer_mixing_kinds_equals_the_reference(predictive, other, window, sink, recent, sink_bits):
     """One tensor predictive (pre-rotary keys among them), the other per frame: benchmarks.fit's rows
     with one tensor in float16. Chain states bitwise, outputs and reads within float rounding, bytes
     as the oracle's and as predicted."""
-    recipe = mixed_recipe(predictive, other, recent)
+    recipe = mixed_recipe(predictive, other, recent, sink_bits)
     assert fast_path_problem(recipe) is None
     assert_chains_like_the_reference(recipe, predictive, window, sink, frames=20, seed=4)
 
@@ -382,6 +384,11 @@ def test_a_recipe_without_a_path_is_refused_in_one_line():
                                             "a per-frame kind .K uniform, V predictive. with a logit correction on its keys"):
         FastKVCache.from_recipe(corrected, 4, 1)
     assert fast_path_problem(predictive_recipe()) is None
+    one_sink = predictive_recipe(sink_bits=6.0)
+    one_sink.scheme.layers[1].v.sink_token_bits = None
+    one_sink.tensors = {n: t for n, t in one_sink.tensors.items() if not n.startswith("layers.1.v.sink_")}
+    assert fast_path_problem(one_sink) == ("layer 1: predictive K and V, one with a sink code ('sink_token_bits') and "
+                                           "one without")
 
 
 def test_the_public_runtime_is_the_one_runtime():

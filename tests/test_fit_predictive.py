@@ -347,3 +347,21 @@ def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
                 assert all(c.intra_mult == min(cfg.intra_mults) for c in heads)
             else:
                 assert heads == before[(layer, kind)]
+
+
+def test_a_sink_code_is_fitted_within_the_budget_and_its_bytes_counted(model):
+    """fit.sink_bits > 0: every tensor carries a sink code of at most that width, the budget still
+    holds with the sink's bytes (the runtime's own count), and frame 0 is held in it."""
+    recipe, record = calibration.fit(tiny_fit_config(sink_bits=6.0), model, CPU)
+    assert record["sink_bits"] == 6.0 and record["bits_per_element"] <= 2.5 + 1e-9
+    D = TINY_WORLD.head_dim
+    for i in range(TINY_WORLD.num_layers):
+        for kind in "kv":
+            spec = recipe.spec(i, kind)
+            assert spec.sink_token_bits is not None and all(0 < b <= 6 * D for b in spec.sink_token_bits)
+    trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
+    cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
+    rollout_batch(as_world(model), trajs, cache, CPU)
+    assert "sink" in cache._frames[0][0]["k"][0]
+    assert cache.nbytes() == cache.predicted_nbytes(40)
+    assert 16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, 40, 16, 1) <= 2.5 + 1e-9

@@ -254,3 +254,54 @@ def test_field_golden_vectors_of_the_format():
         assert bytes(got[0].tolist()) == packed, widths
         assert unpack_fields(got, widths)[0].tolist() == values
         assert bytes(got[0].tolist()) == reference_pack_fields(values, widths)
+
+
+# ---- the sink code (format 1.3) ---------------------------------------------------------------
+def _sink_params(D=8, seed=0, sink_bits=6.0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(D, D, generator=g) * torch.logspace(0, -2, D)
+    cov = A @ A.T
+    return FP.fit_head(torch.zeros(D), cov, cov * 0.01, 2.0, sink_bits=sink_bits), cov
+
+
+def test_sink_fit_spends_at_most_its_bits_on_one_step_and_reaches_its_deviations():
+    sigma = torch.tensor([4.0, 1.0, 0.25, 0.01])
+    for avg in (2.0, 4.0, 6.0, 8.0):
+        unit, bits = FP.fit_sink(sigma, avg, 8.0)
+        assert float(bits.float().mean()) <= avg and torch.all(unit == unit[0])  # one step: equal distortion
+        reach = torch.where(bits > 0, (1 << (bits - 1).clamp_min(0)) - 1, 0) * unit
+        coded = bits > 0  # exactly the components whose reach is at least half a step (at the bisection's float64 step)
+        assert bool((8.0 * sigma[~coded] <= unit[~coded] / 2 * (1 + 1e-6)).all())
+        assert bool((reach[coded] >= 8.0 * sigma[coded] - unit[coded]).all())
+    finer = [float(FP.fit_sink(sigma, avg, 8.0)[0][0]) for avg in (2.0, 4.0, 6.0)]
+    assert finer[0] > finer[1] > finer[2]  # more bits, a finer step
+
+
+def test_sink_code_is_within_half_a_step_in_range_and_the_chain_continues_from_it():
+    p, cov = _sink_params()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 8, generator=g) @ torch.linalg.cholesky(cov).T  # [B, T, D] like the fitted data
+    w = P.sink_code(x, p)
+    u = (x - p.mean_D) @ p.rotation_DD
+    inside = w.abs() < P.sink_limit(p)
+    err = (u - p.sink_unit_D * w.float()).abs()
+    assert bool((err[inside] <= p.sink_unit_D.expand_as(err)[inside] / 2 + 1e-6).all())
+    assert torch.equal(P.from_sink_fields(P.sink_fields(w, p), p), w)
+    assert bool((P.sink_fields(w, p) < (1 << p.sink_bits_D)).all()) and bool((P.sink_fields(w, p) >= 0).all())
+    v = P.sink_states(w, p)
+    assert bool((v.abs() <= p.limit_D).all()) and bool((v[..., p.bits_D == 0] == 0).all())
+    x_seq = torch.stack([x, x + 0.01], dim=1)  # [B, F, T, D]: the sink, then a frame coded against its states
+    out = P.fake_quant_sequence(x_seq, p, sink_frames=1)
+    assert torch.equal(out[:, 0], P.sink_values(w, p))
+    _, _, v1 = P.encode(x_seq[:, 1], p, v)
+    assert torch.equal(out[:, 1], P.values(v1, p))
+    sink_err = (out[:, 0] - x).pow(2).mean()
+    intra_err = (P.fake_quant_sequence(x_seq, p)[:, 0] - x).pow(2).mean()
+    assert sink_err < intra_err / 10  # 6 bits per component against the chain's 2-bit intra frame
+
+
+def test_a_code_without_sink_roles_ignores_the_sink_frames():
+    p, cov = _sink_params(sink_bits=0.0)
+    assert not p.has_sink
+    x = torch.randn(1, 3, 2, 8)
+    assert torch.equal(P.fake_quant_sequence(x, p, sink_frames=2), P.fake_quant_sequence(x, p))

@@ -222,12 +222,14 @@ def test_logit_correction_matches_the_runtimes():
                                logit_inflation(q, var)[:, 0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
-    """Every held frame of a predictive cache (deltas, anchors) decodes to the runtime's states."""
+@pytest.mark.parametrize("sink_bits", [0.0, 6.0])
+def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_bits):
+    """Every held frame of a predictive cache (deltas, anchors, the sink code) decodes to the
+    runtime's states; the reader's sink code is the runtime's, byte for byte."""
     from reference_runtime import ReferenceCache
     from test_runtime_predictive import H, L, predictive_recipe, sequence
 
-    recipe = predictive_recipe(recent=1)
+    recipe = predictive_recipe(recent=1, sink_bits=sink_bits)
     path = tmp_path / "pred.safetensors"
     save_recipe(recipe, path)
     meta, tensors = reader.read_recipe(path)
@@ -247,10 +249,18 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path):
                     stored = {k: _np(t) for k, t in cache._frames[layer][g][kind][h].items()}
                     v = reader.predictive_states(stored, tensors, layer, kind, h, prev if prev_frame == g - 1 else None)
                     np.testing.assert_array_equal(v, _np(states[g][h]))
-                    mine = reader.predictive_values(v, tensors, layer, kind, h).astype(np.float64)
-                    theirs = _np(cache._chains[(layer, kind)][h].values(states[g][h])).astype(np.float64)
-                    assert (np.abs(mine - theirs) <= reader.predictive_values_bound(v, tensors, layer, kind, h)).all()
+                    if "sink" in stored:
+                        x = (ks if kind == "k" else vs)[g][:, h].half().float().numpy()  # via the recent copy
+                        assert np.array_equal(reader.predictive_sink(x, tensors, layer, kind, h)["sink"], stored["sink"])
+                        mine = reader.predictive_sink_values(stored, tensors, layer, kind, h).astype(np.float64)
+                        theirs = _np(cache._load_kind(layer, kind, g, states)[:, h]).astype(np.float64)
+                        assert np.abs(mine - theirs).max() <= 1e-5 * max(np.abs(theirs).max(), 1.0)
+                    else:
+                        mine = reader.predictive_values(v, tensors, layer, kind, h).astype(np.float64)
+                        theirs = _np(cache._chains[(layer, kind)][h].values(states[g][h])).astype(np.float64)
+                        assert (np.abs(mine - theirs) <= reader.predictive_values_bound(v, tensors, layer, kind, h)).all()
                     prev_frame, prev = g, v
+    assert ("sink" in cache._frames[0][0]["k"][0]) == bool(sink_bits)
 
 
 def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(tmp_path):

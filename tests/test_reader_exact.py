@@ -474,6 +474,39 @@ def test_golden_predictive_modes(row):
     assert reader.predictive_states(stored, tensors, 0, "v", 0, v_prev.numpy()).flatten().tolist() == want[2]
 
 
+@pytest.mark.parametrize("row", golden("Sink code"), ids=lambda r: r[0])
+def test_golden_sink_code(row):
+    """The sink code (format 1.3): code, stored bytes, values and the chain's states after it, in the
+    reference math, both runtimes' codecs and the reader."""
+    from calibrate.fast_chain_code import ChainCode
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import predictive as P
+    from reference_runtime import ChainCodec
+
+    roles = _golden_predictive_roles() | {"sink_unit": torch.tensor([[0.125, 0.125]]), "sink_bits": torch.tensor([[5, 4]])}
+    p = head_params(roles, 0)
+    x = _floats(row[0])
+    w, packed, decoded, states = _ints(row[1]), list(bytes.fromhex(row[3])), [float(v) for v in row[4].split()], _ints(row[5])
+    assert P.sink_code(x, p).flatten().tolist() == w
+    assert P.sink_fields(P.sink_code(x, p), p).flatten().tolist() == _ints(row[2])
+    assert P.sink_values(P.sink_code(x, p), p).flatten().tolist() == decoded
+    assert P.sink_states(P.sink_code(x, p), p).flatten().tolist() == states
+    stored, v = ChainCodec(p).encode(x, None, sink=True)  # the tests' oracle runtime
+    assert stored["sink"].flatten().tolist() == packed and v.flatten().tolist() == states
+    code = ChainCode([roles, roles], "cpu")  # the fast runtime's, K and V as two heads
+    w2, v2 = code.encode_sink(x[:, None].expand(1, 2, 1, 2))
+    out = torch.zeros(1, code.sink_layout.nbytes, 1, dtype=torch.uint8)
+    code.pack_sink(w2.permute(0, 2, 1, 3), out)
+    assert out.flatten().tolist() == packed + packed  # K's row, then V's
+    assert code.expand(code.sink_states(out[:, None]).transpose(2, 3)).flatten().tolist() == states + states
+    assert code.sink_values(out[:, None]).flatten().tolist() == decoded + decoded
+    tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}
+    mine = reader.predictive_sink(x.numpy(), tensors, 0, "v", 0)
+    assert mine["sink"].flatten().tolist() == packed
+    assert reader.predictive_states(mine, tensors, 0, "v", 0).flatten().tolist() == states
+    assert reader.predictive_sink_values(mine, tensors, 0, "v", 0).flatten().tolist() == decoded
+
+
 def _golden_predictive_recipe() -> Recipe:
     roles = _golden_predictive_roles()
     spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[3], anchor_token_bits=[5])

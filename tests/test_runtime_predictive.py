@@ -40,39 +40,42 @@ def sequence(num_frames=40, B=2, seed=0):
     return ks, vs, ropes
 
 
-def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred"):
+def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_bits=0.0):
     ks, vs, _ = sequence(60, seed=seed + 100)
     tensors, layers = {}, []
     for i in range(L):
         specs = {}
         for kind, xs in (("k", ks), ("v", vs)):
             x = torch.stack(xs, dim=2)  # B H F T D
-            roles = predictive_roles(x)
+            roles = predictive_roles(x, sink_bits=sink_bits)
             tensors.update({f"layers.{i}.{kind}.{r}": t for r, t in roles.items()})
             specs[kind] = TensorSpec(bits=2, kind="predictive", rotation="learned",
                                      rotary_coords=2 if (kind == "k" and pre_rotary) else 0,
                                      token_bits=roles["channel_bits"].sum(-1).tolist(),
-                                     anchor_token_bits=roles["anchor_bits"].sum(-1).tolist())
+                                     anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
+                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if sink_bits else None)
         layers.append(LayerSpec(**specs))
     info = ModelInfo("toy", L, H, D, T, "f" * 16)
     return Recipe(info, Scheme(name, layers, TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=recent)), tensors)
 
 
-def reference_frames(recipe, ks, vs, layer, kind, via_fp16=False):
+def reference_frames(recipe, ks, vs, layer, kind, via_fp16=False, sink_frames=0):
     """Every frame's reconstruction by the sequential closed loop (no window at all); frames that
     passed through the float16 recent window are coded from their float16 copy."""
     x = torch.stack(ks if kind == "k" else vs, dim=2)
     x = x.half().float() if via_fp16 else x
     t = recipe.layer_tensors(layer, kind)
-    return torch.stack([P.fake_quant_sequence(x[:, h], head_params(t, h)) for h in range(H)], dim=1)  # B H F T D
+    return torch.stack([P.fake_quant_sequence(x[:, h], head_params(t, h), sink_frames=sink_frames)
+                        for h in range(H)], dim=1)  # B H F T D
 
 
-@pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3)])
-def test_runtime_equals_the_closed_loop_reference_and_bytes_match(window, sink, recent):
-    recipe = predictive_recipe(recent=recent)
+@pytest.mark.parametrize("window,sink,recent,sink_bits", [(6, 1, 0, 0), (6, 1, 2, 0), (3, 0, 0, 0), (1, 1, 0, 0),
+                                                          (8, 2, 3, 0), (6, 1, 0, 6), (1, 1, 0, 6), (8, 2, 3, 5)])
+def test_runtime_equals_the_closed_loop_reference_and_bytes_match(window, sink, recent, sink_bits):
+    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits)
     ks, vs, ropes = sequence(40)
     cache = ReferenceCache.from_recipe(recipe, window=window, sink_frames=sink)
-    refs = {(l, kind): reference_frames(recipe, ks, vs, l, kind, recent > 0) for l in range(L) for kind in "kv"}
+    refs = {(l, kind): reference_frames(recipe, ks, vs, l, kind, recent > 0, sink) for l in range(L) for kind in "kv"}
     for f in range(40):
         for layer in range(L):
             cache.append(layer, ks[f], vs[f], ropes[f])
@@ -131,6 +134,27 @@ def test_recipe_round_trip_and_bad_roles(tmp_path):
     bad.scheme.layers[0].v.token_bits = [1, 2]
     with pytest.raises(RecipeError, match="token_bits"):
         save_recipe(bad, tmp_path / "bad.safetensors")
+
+
+def test_a_sink_code_round_trips_and_its_bad_roles_are_named(tmp_path):
+    """Format 1.3: the sink code's field and roles are written, read back and checked."""
+    recipe = predictive_recipe(sink_bits=6.0)
+    save_recipe(recipe, tmp_path / "r.safetensors")
+    again = load_recipe(tmp_path / "r.safetensors")
+    assert again.spec(1, "v").sink_token_bits == recipe.spec(1, "v").sink_token_bits
+    assert json.loads(again.scheme.to_json())["layers"][0]["k"]["sink_token_bits"]  # written when set
+    assert "sink_token_bits" not in json.loads(predictive_recipe().scheme.to_json())["layers"][0]["k"]
+    cases = [("sink_bits", lambda r: r.tensors.__setitem__("layers.0.k.sink_bits", r.tensors["layers.0.k.sink_bits"] + 1),
+              "sink_bits' sums to"),
+             ("sink_unit", lambda r: r.tensors.__setitem__("layers.0.v.sink_unit", -r.tensors["layers.0.v.sink_unit"]),
+              "sink_unit' must be finite float32 > 0"),
+             ("no field", lambda r: setattr(r.scheme.layers[0].k, "sink_token_bits", None), "not used by its spec")]
+    for _, spoil, says in cases:
+        bad = predictive_recipe(sink_bits=6.0)
+        spoil(bad)
+        with pytest.raises(RecipeError, match=says):
+            save_recipe(bad, tmp_path / "bad.safetensors")
+        assert not (tmp_path / "bad.safetensors").exists()
 
 
 def test_pre_rotary_recipe_needs_rotary_coordinates():

@@ -104,9 +104,10 @@ def frame_bits(stored_head: dict) -> int:
     return stored_head["codes"].shape[-1] * 8 // D  # packed_nbytes(D, b) = D/8 * b
 
 
-def predictive_roles(x_BHFTD: torch.Tensor, bits: float = 2.0) -> dict[str, torch.Tensor]:
+def predictive_roles(x_BHFTD: torch.Tensor, bits: float = 2.0, sink_bits: float = 0.0) -> dict[str, torch.Tensor]:
     """The predictive roles of one tensor fitted per head to frames x [B, H, F, T, D]: the sample's
-    mean and covariance, and the covariance of its frame-to-frame differences."""
+    mean and covariance, and the covariance of its frame-to-frame differences (`sink_bits` > 0:
+    with a sink code of that many bits per component)."""
     D = x_BHFTD.shape[-1]
     params = []
     for h in range(x_BHFTD.shape[1]):
@@ -114,5 +115,5 @@ def predictive_roles(x_BHFTD: torch.Tensor, bits: float = 2.0) -> dict[str, torc
         mean = flat.mean(0)
         cov = (flat - mean).T @ (flat - mean) / len(flat)
         d = (x_BHFTD[:, h, 1:] - x_BHFTD[:, h, :-1]).reshape(-1, D)
-        params.append(fit_head(mean, cov, d.T @ d / len(d), bits))
+        params.append(fit_head(mean, cov, d.T @ d / len(d), bits, sink_bits=sink_bits))
     return stack_heads(params)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from calibrate import predictive_roles
 from calibrate.codes.base import Kind
 
-FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits", "temporal")
+FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits", "sink_token_bits", "temporal")
 
 
 def check(s, where: str) -> str | None:
@@ -21,4 +21,5 @@ def check(s, where: str) -> str | None:
     return None
 
 
-KIND = Kind("predictive", roles=lambda spec, H, D: predictive_roles.shapes(H, D), check=check)
+KIND = Kind("predictive", roles=lambda spec, H, D: predictive_roles.shapes(H, D, spec.sink_token_bits is not None),
+            check=check)

@@ -20,6 +20,11 @@ recording cache streams (stats.py). Then:
    whole multiples of the unit within 1/resolution; anchors hold |v| up to clip_sd * sigma_i,
    which sets their width a_i (at most 16 bits: beyond that the unit grows instead).
 
+5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
+   component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each
+   component as wide as its reach of `sink_sd` standard deviations needs at that step, none where
+   that reach is under half a step; Delta is the finest whose widths average at most `sink_bits`.
+
 `gaussian_uniform_step` recomputes the table by minimizing the Gaussian MSE (a test holds the
 constants to it).
 """
@@ -92,14 +97,39 @@ def pca(cov_DD: Tensor) -> tuple[Tensor, Tensor]:
     return evals.flip(0).clamp_min(0).float(), evecs.flip(-1).float().contiguous()
 
 
+def sink_widths(sigma_D: Tensor, step: float, sink_sd: float) -> Tensor:
+    """Widths [D] of the sink code at `step`: reach ceil(sink_sd sigma / step) levels each side
+    (at most 16 bits), 0 where sink_sd sigma < step / 2."""
+    reach = torch.ceil(sink_sd * sigma_D.double() / step)
+    bits = torch.ceil(torch.log2(2 * reach + 1)).clamp(0, MAX_ANCHOR_BITS)
+    return torch.where(sink_sd * sigma_D.double() >= step / 2, bits, 0.0).to(torch.int64)
+
+
+def fit_sink(sigma_D: Tensor, avg_bits: float, sink_sd: float) -> tuple[Tensor, Tensor]:
+    """(sink_unit [D] float32, sink_bits [D] int64): one step for every component, the finest whose
+    widths (`sink_widths`) average at most `avg_bits` (a bisection on the step, in float64)."""
+    D = sigma_D.numel()
+    hi = float(sink_sd * sigma_D.double().max()) * 2 + 1e-30  # one component coded, at 2 bits
+    lo = hi * 2.0**-40
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        if float(sink_widths(sigma_D, mid, sink_sd).sum()) > avg_bits * D:
+            lo = mid
+        else:
+            hi = mid
+    return torch.full((D,), hi, dtype=torch.float32), sink_widths(sigma_D, hi, sink_sd)
+
+
 def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: float, *, intra_weight: float = 0.1,
              intra_mult: float = 1.3, inter_mult: float = 0.7, resolution: int = 2, clip_sd: float = 4.0,
-             rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill") -> PredictiveParams:
+             rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill",
+             sink_bits: float = 0.0, sink_sd: float = 8.0) -> PredictiveParams:
     """A head's predictive code spending `avg_bits` per component on average (see module docstring).
 
     `allocation="waterfill_variance"` prices an uncoded component at its variance (module docstring).
     `temporal=False` sizes an intra-only code (widths by sigma^2 alone, the grid by the intra step);
     `allocation="uniform"` gives every component the same width (the ablation without water-filling).
+    `sink_bits` > 0 adds the sink code (module docstring).
     """
     D = mean_D.numel()
     if rotation_DD is None:
@@ -134,4 +164,5 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
     anchor = torch.where(coded, anchor, torch.zeros_like(anchor))
     intra_step = torch.where(coded, intra_step, torch.ones_like(intra_step))
     inter_step = torch.where(coded, inter_step, torch.ones_like(inter_step))
-    return PredictiveParams(mean_D.float().contiguous(), R, unit.contiguous(), bits, intra_step, inter_step, anchor)
+    sink = fit_sink(sigma, sink_bits, sink_sd) if sink_bits > 0 else (None, None)
+    return PredictiveParams(mean_D.float().contiguous(), R, unit.contiguous(), bits, intra_step, inter_step, anchor, *sink)

@@ -59,7 +59,7 @@ class TensorFit:
                 self._cache[(h, c)] = fit_head(
                     self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
                     inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
-                    allocation=cfg.bit_allocation,
+                    allocation=cfg.bit_allocation, sink_bits=cfg.sink_bits, sink_sd=cfg.sink_sd,
                     rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
             out.append(self._cache[(h, c)])
         return out
@@ -68,7 +68,9 @@ class TensorFit:
         roles = predictive_roles.stack_heads(self.params(cfg))
         spec = TensorSpec(bits=2, kind="predictive", rotation="learned", rotary_coords=rotary_coords,
                           token_bits=roles["channel_bits"].sum(-1).tolist(),
-                          anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(), temporal=cfg.temporal)
+                          anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
+                          sink_token_bits=roles["sink_bits"].sum(-1).tolist() if "sink_bits" in roles else None,
+                          temporal=cfg.temporal)
         return spec, roles
 
 
@@ -79,7 +81,9 @@ def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[H
     x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
     params = fit.params(cfg, heads)
     pairs = list(enumerate(params)) if only is None else [(0, params[only])]
-    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal) for i, p in pairs], dim=1)
+    out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal,
+                                           sink_frames=trace.sink_frames)  # traces start at frame 0
+                       for i, p in pairs], dim=1)
     return trace.rotate(out) if fit.stat_kind == "kpre" else out
 
 

@@ -75,11 +75,13 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     that layer's trace, and the results are shared: every rank returns the same recipe.
     """
     shard = shard or Shard()
+    if not sink_frames:  # no sink frame to hold in the sink code
+        cfg = replace(cfg, sink_bits=0.0)
     lam = cfg.lambda_temporal
     pre = cfg.pre_rotary and rotary_coords > 0
     record: dict = {"code": "predictive", "lambda_temporal": lam, "budget_bits": cfg.budget_bits,
                     "keys": "pre-rotary" if pre else "post-rotary", "temporal": cfg.temporal, "basis": cfg.basis,
-                    "bit_allocation": cfg.bit_allocation, "layers": []}
+                    "bit_allocation": cfg.bit_allocation, "sink_bits": cfg.sink_bits, "layers": []}
     if cfg.pre_rotary and not rotary_coords:
         record["keys_why"] = "the model's rotary gives no coordinates: keys are coded post-rotary"
     base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
@@ -290,8 +292,9 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
     delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
 
     def head_bytes(p) -> int:
+        sink = (int(p.sink_bits_D.sum()), sink_frames) if p.has_sink else (0, 0)
         return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1,
-                                     T, D)
+                                     T, D, *sink)
 
     def ups(layer: int) -> dict[str, list[HeadCode]]:
         return {kind: [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fits[layer][kind].heads]

@@ -21,6 +21,12 @@ camera), and K/V of one head live in a few principal directions. This code explo
    as an *anchor*: its v itself, as signed integers of `anchor_bits` a_i per component, which
    the fitter sizes so that |v_i| <= 2^(a_i - 1) - 1 always holds (the encoder never steps
    outside). Re-anchoring when the window slides is therefore lossless.
+5. **Sink code** (optional). The sink frame (frame 0: every step attends to it, for the whole
+   rollout) is otherwise the chain's all-intra first frame, the coarsest frame of the chain. A code
+   with sink roles holds it finer, on its own grid over every component: w_i = clamp(rne(u_i /
+   z_unit_i), -Z_i, Z_i), Z_i = 2^(z_i - 1) - 1 for its own widths z_i (0..16), decoded as
+   (z_unit * w) @ R^T + mean. The chain continues from it: its states are v_i = clamp(rne(z_unit_i
+   w_i / unit_i), -V_i, V_i) on coded components (0 elsewhere), so frame 1 predicts from the sink.
 
 Arithmetic (recipes/FORMAT.md states it as the normative spec): float32; tau = u / unit with true
 division; codes c = clamp(rne((t / s + n) / 2), lo, hi) with t = tau (intra) or tau - v' (inter),
@@ -49,12 +55,19 @@ class PredictiveParams:
     intra_step_D: Tensor  # int64 >= 1: intra levels are intra_step * (2c - n)
     inter_step_D: Tensor  # int64 >= 1: inter steps are inter_step * (2c - n)
     anchor_bits_D: Tensor  # int64 in [0, 16]: |v_i| <= 2^(a_i - 1) - 1; 0 iff bits == 0
+    sink_unit_D: Tensor | None = None  # float32 > 0: the sink code's step of component i (None: no sink code)
+    sink_bits_D: Tensor | None = None  # int64 in [0, 16]: the sink code's width of component i
 
     def to(self, device: torch.device) -> "PredictiveParams":
         """The same code with its tensors on `device` (itself when they are there already)."""
         if self.mean_D.device == device:
             return self
-        return PredictiveParams(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return PredictiveParams(*(None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                  for f in fields(self)))
+
+    @property
+    def has_sink(self) -> bool:
+        return self.sink_unit_D is not None
 
     @property
     def levels_D(self) -> Tensor:
@@ -141,15 +154,55 @@ def from_anchor_fields(fields_BTD: Tensor, p: PredictiveParams) -> Tensor:
     return fields_BTD - offset
 
 
-def fake_quant_sequence(x_BFTD: Tensor, p: PredictiveParams, intra_only: bool = False) -> Tensor:
+def sink_limit(p: PredictiveParams) -> Tensor:
+    """Z_i = 2^(z_i - 1) - 1: the largest |w_i| of the sink code (0 for a 0-width component)."""
+    return torch.where(p.sink_bits_D > 0, (1 << (p.sink_bits_D - 1).clamp_min(0)) - 1, 0)
+
+
+def sink_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """The sink code w [B, T, D] int64: clamp(rne(((x - mean) @ R) / z_unit), -Z, Z)."""
+    Z = sink_limit(p).float()
+    w = torch.round(((x_BTD.float() - p.mean_D) @ p.rotation_DD) / p.sink_unit_D)
+    return torch.minimum(torch.maximum(w, -Z), Z).to(torch.int64)
+
+
+def sink_values(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """The sink's reconstruction (z_unit * w) @ R^T + mean, float32."""
+    return (p.sink_unit_D * w_BTD.float()) @ p.rotation_DD.transpose(-1, -2) + p.mean_D
+
+
+def sink_states(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """The chain's states after the sink: clamp(rne((z_unit * w) / unit), -V, V), 0 on uncoded components."""
+    V = p.limit_D.float()
+    v = torch.round((p.sink_unit_D * w_BTD.float()) / p.unit_D)
+    return torch.minimum(torch.maximum(v, -V), V).to(torch.int64)
+
+
+def sink_fields(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """The sink's stored fields: w + 2^(z - 1) (offset binary, 0 for 0-width components)."""
+    return w_BTD + torch.where(p.sink_bits_D > 0, 1 << (p.sink_bits_D - 1).clamp_min(0), 0)
+
+
+def from_sink_fields(fields_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    return fields_BTD - torch.where(p.sink_bits_D > 0, 1 << (p.sink_bits_D - 1).clamp_min(0), 0)
+
+
+def fake_quant_sequence(x_BFTD: Tensor, p: PredictiveParams, intra_only: bool = False, sink_frames: int = 0) -> Tensor:
     """Reference path over consecutive frames: the reconstruction of every frame, [B, F, T, D].
 
-    The first frame is intra; every later one chooses per token (or is intra with `intra_only`,
-    the ablation without temporal prediction). Anchoring never changes a reconstruction, so
-    this equals what the runtime decodes for any window.
+    Frames below `sink_frames` are held in the sink code if the code has one; the first other
+    frame is intra if it is the first frame (else coded against the sink's states); every
+    later one chooses per token (or is intra with `intra_only`, the ablation without temporal
+    prediction). Anchoring never changes a reconstruction, so this equals what the runtime decodes
+    for any window.
     """
     out, v = [], None
     for f in range(x_BFTD.shape[1]):
+        if f < sink_frames and p.has_sink:
+            w = sink_code(x_BFTD[:, f], p)
+            v = sink_states(w, p)
+            out.append(sink_values(w, p))
+            continue
         _, _, v = encode(x_BFTD[:, f], p, None if intra_only else v)
         out.append(values(v, p))
     return torch.stack(out, dim=1)
