@@ -91,6 +91,9 @@ class RecordingCache(KVCache):
         rec.stats.update(layer, seen.k_rot_BHTD, seen.v_BHTD, index)
         rec.stats.update_keys_before_rotation(layer, seen.k_BHTD)
         current = (seen.k_rot_BHTD, seen.k_BHTD, seen.v_BHTD)
+        if index < self.sink_frames:
+            for kind, x in zip(("k", "kpre", "v"), current):
+                rec.stats.update_sink(kind, layer, x)
         if self._previous[layer] is not None:
             for kind, x, prev in zip(("k", "kpre", "v"), current, self._previous[layer]):
                 rec.stats.update_change(kind, layer, x, prev)

@@ -42,7 +42,7 @@ from calibrate.sample import QuerySample
 from calibrate.stats_config import CHANGE_KINDS, KINDS, KVStatsConfig
 
 FORMAT = "kv-stats"
-FORMAT_VERSION = "1.1"  # 1.1: kpre.* and *.delta_* for predictive codes
+FORMAT_VERSION = "1.2"  # 1.1: kpre.* and *.delta_* for predictive codes; 1.2: *.sink_* for their sink code
 
 # How each statistic combines across shards/ranks; keyed by the part of the name after "kind.".
 MERGE: dict[str, str] = {
@@ -52,7 +52,7 @@ MERGE: dict[str, str] = {
     "bucket_absmax_max": "max",
     "rows": "sum", "age_mass": "sum", "age_pairs": "sum", "age_uniform": "sum",
     "anchor_mass": "sum", "anchor_pairs": "sum", "anchor_uniform": "sum",
-    "delta_count": "sum", "delta_gram": "sum",
+    "delta_count": "sum", "delta_gram": "sum", "sink_count": "sum", "sink_sum": "sum", "sink_gram": "sum",
 }
 _INIT = {"min": math.inf, "max": -math.inf}  # everything else starts at 0
 _EPS = 1e-12
@@ -141,6 +141,18 @@ class KVStats:
         d_HND = self._tokens(x_BHTD, kind) - self._tokens(prev_BHTD, kind)
         self.tensors[f"{kind}.delta_count"][layer] += d_HND.shape[1]
         self.tensors[f"{kind}.delta_gram"][layer] += d_HND.transpose(1, 2) @ d_HND
+
+    def update_sink(self, kind: str, layer: int, x_BHTD: Tensor) -> None:
+        """Add one sink frame of `kind` ("k", "kpre" or "v"; a frame the cache keeps as a sink):
+        count, sum and Gram, from which a predictive code sizes its sink code (the first frame of a
+        rollout is not distributed like the rest: on WanWorld it is the given, clean frame)."""
+        if kind not in CHANGE_KINDS:
+            raise ValueError(f"stats sink kind must be one of {CHANGE_KINDS}, got {kind!r}")
+        self._check_layer(layer)
+        x_HND = self._tokens(x_BHTD, kind)
+        self.tensors[f"{kind}.sink_count"][layer] += x_HND.shape[1]
+        self.tensors[f"{kind}.sink_sum"][layer] += x_HND.sum(1)
+        self.tensors[f"{kind}.sink_gram"][layer] += x_HND.transpose(1, 2) @ x_HND
 
     def _tokens(self, x_BHTD: Tensor, kind: str) -> Tensor:
         """[B, H, T, D] -> float64 [H, B*T, D] on this summary's device (shape and values checked)."""

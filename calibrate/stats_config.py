@@ -23,6 +23,9 @@ Tensors (names are `"{kind}.{stat}"`, kind `k`, `v` or `attn`; legend below):
     {k,kpre,v}.delta_count [L] int64, {k,kpre,v}.delta_gram [L, H, D, D] float64
                                     tokens and sum of d d^T of the frame-to-frame change
                                     d = x_t - x_{t-1} of the same trajectory and token
+    {k,kpre,v}.sink_count [L] int64, .sink_sum [L, H, D], .sink_gram [L, H, D, D] float64
+                                    the same moments of the sink frames alone (the frames the
+                                    recording cache keeps as sinks: a predictive sink code)
     attn.rows           [L]        int64    query rows seen (one per trajectory per update)
     attn.age_mass       [L, Q, A]  float64  attention mass on frames of age a (clipped at A-1)
     attn.age_pairs      [L, A]     int64    (row, cached frame) pairs at age a
@@ -120,6 +123,9 @@ class KVStatsConfig:
         for kind in CHANGE_KINDS:
             specs[f"{kind}.delta_count"] = ((L,), i64)
             specs[f"{kind}.delta_gram"] = ((L, H, D, D), f64)
+            specs[f"{kind}.sink_count"] = ((L,), i64)
+            specs[f"{kind}.sink_sum"] = ((L, H, D), f64)
+            specs[f"{kind}.sink_gram"] = ((L, H, D, D), f64)
         specs["attn.rows"] = ((L,), i64)
         specs["attn.age_mass"] = ((L, Q, A), f64)
         specs["attn.age_pairs"] = ((L, A), i64)

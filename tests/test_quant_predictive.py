@@ -305,3 +305,13 @@ def test_a_code_without_sink_roles_ignores_the_sink_frames():
     assert not p.has_sink
     x = torch.randn(1, 3, 2, 8)
     assert torch.equal(P.fake_quant_sequence(x, p, sink_frames=2), P.fake_quant_sequence(x, p))
+
+
+def test_a_sink_code_never_clips_a_component_to_fit_16_bits():
+    """A low-rank head (WanWorld's first layer: most components ~0) must not buy a step so fine that
+    its strong components hit the 16-bit cap: the step stops where the widest reach fits."""
+    sigma = torch.cat([torch.tensor([5.0, 3.0, 1.0]), torch.full((61,), 1e-9)])
+    unit, bits = FP.fit_sink(sigma, 6.0, 8.0)
+    reach = ((1 << (bits - 1).clamp_min(0)) - 1) * unit
+    assert int(bits.max()) <= 16 and bool((reach[:3] >= 8.0 * sigma[:3] - unit[:3]).all())
+    assert float(bits.float().mean()) <= 6.0

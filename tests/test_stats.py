@@ -305,3 +305,18 @@ def test_query_merge_bounds_membership_and_union():
     assert torch.equal(merge_queries(a, b).samples(0), m.samples(0))
     small = merge_queries(sample(0, 20), sample(10_000, 10))
     assert sorted(small.samples(0)[:, 0, 0].tolist()) == list(range(20)) + list(range(10_000, 10_010))
+
+
+def test_sink_moments_are_those_of_the_sink_frames_alone():
+    """A predictive sink code is sized by the sink frames' own spread: `update_sink` sums those only."""
+    from calibrate.stats import KVStats
+    from calibrate.stats_config import KVStatsConfig
+
+    cfg = KVStatsConfig(num_layers=1, num_heads=2, head_dim=4)
+    s = KVStats(cfg)
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    s.update_sink("v", 0, x)
+    assert int(s["v.sink_count"][0]) == 15 and int(s["k.sink_count"][0]) == 0
+    flat = x.permute(1, 0, 2, 3).reshape(2, 15, 4)
+    torch.testing.assert_close(s["v.sink_gram"][0], flat.transpose(1, 2) @ flat)
+    torch.testing.assert_close(s["v.sink_sum"][0], flat.sum(1))

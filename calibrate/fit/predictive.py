@@ -22,8 +22,12 @@ recording cache streams (stats.py). Then:
 
 5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
    component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each
-   component as wide as its reach of `sink_sd` standard deviations needs at that step, none where
-   that reach is under half a step; Delta is the finest whose widths average at most `sink_bits`.
+   component as wide as its reach of `sink_sd` deviations needs at that step (at most 16 bits:
+   Delta is never finer than the widest reach allows), none where that reach is under half a
+   step; Delta is the finest whose widths average at most `sink_bits`. The deviations are the
+   sink frames' own (their second moment about the mean, `sink_cov_DD`): the first frame of a
+   rollout need not look like the rest (on WanWorld it is the given, clean frame, its weak
+   components far beyond the other frames' spread).
 
 `gaussian_uniform_step` recomputes the table by minimizing the Gaussian MSE (a test holds the
 constants to it).
@@ -107,10 +111,14 @@ def sink_widths(sigma_D: Tensor, step: float, sink_sd: float) -> Tensor:
 
 def fit_sink(sigma_D: Tensor, avg_bits: float, sink_sd: float) -> tuple[Tensor, Tensor]:
     """(sink_unit [D] float32, sink_bits [D] int64): one step for every component, the finest whose
-    widths (`sink_widths`) average at most `avg_bits` (a bisection on the step, in float64)."""
+    widths (`sink_widths`) average at most `avg_bits` (a bisection on the step, in float64) and
+    that reaches sink_sd sigma within 16 bits."""
     D = sigma_D.numel()
     hi = float(sink_sd * sigma_D.double().max()) * 2 + 1e-30  # one component coded, at 2 bits
-    lo = hi * 2.0**-40
+    floor = float(sink_sd * sigma_D.double().max()) / (2 ** (MAX_ANCHOR_BITS - 1) - 1)
+    lo = max(hi * 2.0**-40, floor, 1e-30)
+    if float(sink_widths(sigma_D, lo, sink_sd).sum()) <= avg_bits * D:
+        return torch.full((D,), lo, dtype=torch.float32), sink_widths(sigma_D, lo, sink_sd)
     for _ in range(80):
         mid = math.sqrt(lo * hi)
         if float(sink_widths(sigma_D, mid, sink_sd).sum()) > avg_bits * D:
@@ -123,13 +131,14 @@ def fit_sink(sigma_D: Tensor, avg_bits: float, sink_sd: float) -> tuple[Tensor, 
 def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: float, *, intra_weight: float = 0.1,
              intra_mult: float = 1.3, inter_mult: float = 0.7, resolution: int = 2, clip_sd: float = 4.0,
              rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill",
-             sink_bits: float = 0.0, sink_sd: float = 8.0) -> PredictiveParams:
+             sink_bits: float = 0.0, sink_sd: float = 8.0, sink_cov_DD: Tensor | None = None) -> PredictiveParams:
     """A head's predictive code spending `avg_bits` per component on average (see module docstring).
 
     `allocation="waterfill_variance"` prices an uncoded component at its variance (module docstring).
     `temporal=False` sizes an intra-only code (widths by sigma^2 alone, the grid by the intra step);
     `allocation="uniform"` gives every component the same width (the ablation without water-filling).
-    `sink_bits` > 0 adds the sink code (module docstring).
+    `sink_bits` > 0 adds the sink code (module docstring), sized by `sink_cov_DD` (the sink frames'
+    second moment about the mean; None: the covariance).
     """
     D = mean_D.numel()
     if rotation_DD is None:
@@ -164,5 +173,9 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
     anchor = torch.where(coded, anchor, torch.zeros_like(anchor))
     intra_step = torch.where(coded, intra_step, torch.ones_like(intra_step))
     inter_step = torch.where(coded, inter_step, torch.ones_like(inter_step))
-    sink = fit_sink(sigma, sink_bits, sink_sd) if sink_bits > 0 else (None, None)
+    sink = (None, None)
+    if sink_bits > 0:
+        sink_sigma = sigma if sink_cov_DD is None else \
+            torch.diagonal(R.double().T @ sink_cov_DD.double() @ R.double()).clamp_min(0).sqrt().float()
+        sink = fit_sink(sink_sigma, sink_bits, sink_sd)
     return PredictiveParams(mean_D.float().contiguous(), R, unit.contiguous(), bits, intra_step, inter_step, anchor, *sink)

@@ -29,15 +29,22 @@ class HeadCode:
     inter_mult: float
 
 
-def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(mean [H, D], covariance [H, D, D], frame-to-frame change second moment [H, D, D]) of
+def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(mean [H, D], covariance [H, D, D], frame-to-frame change second moment [H, D, D], the sink
+    frames' second moment about that mean [H, D, D] or None if no sink frame was recorded) of
     `kind` ("k", "kpre" or "v") in `layer`, float64."""
     t = stats.tensors
     n = max(int(t[f"{kind}.count"][layer]), 1)
     mean = t[f"{kind}.sum"][layer] / n
     cov = t[f"{kind}.gram"][layer] / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     delta = t[f"{kind}.delta_gram"][layer] / max(int(t[f"{kind}.delta_count"][layer]), 1)
-    return mean, cov, delta
+    ns = int(t[f"{kind}.sink_count"][layer])
+    sink = None
+    if ns:  # E[(x - mean)(x - mean)^T] over the sink frames' tokens
+        s_mean = t[f"{kind}.sink_sum"][layer] / ns
+        sink = (t[f"{kind}.sink_gram"][layer] / ns - s_mean.unsqueeze(-1) * mean.unsqueeze(-2)
+                - mean.unsqueeze(-1) * s_mean.unsqueeze(-2) + mean.unsqueeze(-1) * mean.unsqueeze(-2))
+    return mean, cov, delta, sink
 
 
 @dataclass
@@ -49,6 +56,7 @@ class TensorFit:
     mean: Tensor
     cov: Tensor
     delta: Tensor
+    sink: Tensor | None  # the sink frames' second moment about `mean` (None: size the sink code by `cov`)
     heads: list[HeadCode]
     _cache: dict = field(default_factory=dict, repr=False)  # (head, HeadCode) -> PredictiveParams
 
@@ -60,6 +68,7 @@ class TensorFit:
                     self.mean[h], self.cov[h], self.delta[h], c.avg_bits, intra_mult=c.intra_mult,
                     inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
                     allocation=cfg.bit_allocation, sink_bits=cfg.sink_bits, sink_sd=cfg.sink_sd,
+                    sink_cov_DD=None if self.sink is None else self.sink[h],
                     rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
             out.append(self._cache[(h, c)])
         return out
