@@ -135,7 +135,8 @@ def fit(cfg: Config, model: World, device: torch.device, recorder: Recorder | No
     if cfg.fit.code == "predictive":
         candidates = {"fitted": recipe}
         for scale in cfg.fit.closed_loop_scales:  # the same widths; finer steps may widen the anchors
-            cand = rescaled(info, fits, cfg.fit, coords, scale, recipe.scheme.name)
+            fit_cfg = replace(cfg.fit, sink_bits=record["sink_bits"])  # the fit may have dropped the sink code
+            cand = rescaled(info, fits, fit_cfg, coords, scale, recipe.scheme.name)
             if scale != 1.0 and bits_per_element(info, cand.scheme, window, sink) <= cfg.fit.budget_bits + 1e-9:
                 candidates[f"inter_x{scale:g}"] = cand
     else:

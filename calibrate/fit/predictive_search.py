@@ -84,7 +84,18 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
                     "bit_allocation": cfg.bit_allocation, "sink_bits": cfg.sink_bits, "layers": []}
     if cfg.pre_rotary and not rotary_coords:
         record["keys_why"] = "the model's rotary gives no coordinates: keys are coded post-rotary"
-    base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
+    try:
+        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
+    except BudgetError:
+        if not cfg.sink_bits:
+            raise
+        # a short window holds few frames to share the sink code's bits: fit without it
+        why = (f"fit.sink_bits={cfg.sink_bits}: the sink code leaves no predictive code within "
+               f"fit.budget_bits={cfg.budget_bits} at window {window}; fitted without it")
+        log.warning(why)
+        cfg = replace(cfg, sink_bits=0.0)
+        record["sink_bits"], record["sink_why"] = 0.0, why
+        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
     fits, refs = [], [None] * info.num_layers
     for layer in tqdm(range(info.num_layers), desc="fit layers", unit="layer"):
         entry = None
