@@ -48,8 +48,8 @@ class ChainCode:
         if self.has_sink:
             self.sink_unit, sink_bits = cat("sink_unit"), cat("sink_bits")
             self.sink_layout = RowLayout.concat(sink_bits.tolist(), device)
-            self.sink_offset = torch.where(sink_bits > 0, 1 << (sink_bits - 1).clamp_min(0), 0)
-        self.offset = torch.where(anchor_bits > 0, 1 << (anchor_bits - 1).clamp_min(0), 0)
+            self.sink_offset = predictive.field_offset(sink_bits)
+        self.offset = predictive.field_offset(anchor_bits)
         self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
                                                   self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
                                                   *((self.sink_unit[:, None], sink_bits[:, None]) if self.has_sink

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictiveParams
+from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictiveParams, field_limit
 
 FLOAT_ROLES = ("mean", "unit")
 INT_ROLES = ("channel_bits", "intra_step", "inter_step", "anchor_bits")
@@ -63,7 +63,7 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
     for role in ("intra_step", "inter_step"):
         if (tensors[role] < 1).any():
             raise ValueError(f"tensor '{prefix}.{role}' must be >= 1")
-    limit = torch.where(coded, (1 << (anchor - 1).clamp_min(0)) - 1, 0)
+    limit = field_limit(anchor)  # 0 where uncoded: anchor_bits is 0 there (checked above)
     if (tensors["intra_step"] * ((1 << bits) - 1) > limit).any():
         raise ValueError(f"tensor '{prefix}.intra_step': an intra level lies outside the anchor range")
     if (torch.where(coded, tensors["inter_step"], 0) > limit).any():

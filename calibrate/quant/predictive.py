@@ -44,6 +44,16 @@ MAX_BITS = 8  # widths of a component's code
 MAX_ANCHOR_BITS = 16  # widths of a component's anchor value
 
 
+def field_offset(bits: Tensor) -> Tensor:
+    """2^(w - 1) for a signed integer field of width w > 0 (offset binary), 0 for w = 0."""
+    return torch.where(bits > 0, 1 << (bits - 1).clamp_min(0), 0)
+
+
+def field_limit(bits: Tensor) -> Tensor:
+    """2^(w - 1) - 1, the largest magnitude a signed field of width w > 0 holds, 0 for w = 0."""
+    return (field_offset(bits) - 1).clamp_min(0)
+
+
 @dataclass(frozen=True)
 class PredictiveParams:
     """One head's code: per-component vectors [D] (float32 or int64) and the rotation [D, D]."""
@@ -77,7 +87,7 @@ class PredictiveParams:
     @property
     def limit_D(self) -> Tensor:
         """The largest |v_i| an anchor can hold."""
-        return torch.where(self.anchor_bits_D > 0, (1 << (self.anchor_bits_D - 1).clamp_min(0)) - 1, 0)
+        return field_limit(self.anchor_bits_D)
 
 
 def to_units(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
@@ -145,18 +155,16 @@ def values(v_BTD: Tensor, p: PredictiveParams) -> Tensor:
 
 def anchor_fields(v_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """An anchor's stored fields: v + 2^(a - 1) (offset binary, 0 for 0-width components)."""
-    offset = torch.where(p.anchor_bits_D > 0, 1 << (p.anchor_bits_D - 1).clamp_min(0), 0)
-    return v_BTD + offset
+    return v_BTD + field_offset(p.anchor_bits_D)
 
 
 def from_anchor_fields(fields_BTD: Tensor, p: PredictiveParams) -> Tensor:
-    offset = torch.where(p.anchor_bits_D > 0, 1 << (p.anchor_bits_D - 1).clamp_min(0), 0)
-    return fields_BTD - offset
+    return fields_BTD - field_offset(p.anchor_bits_D)
 
 
 def sink_limit(p: PredictiveParams) -> Tensor:
     """Z_i = 2^(z_i - 1) - 1: the largest |w_i| of the sink code (0 for a 0-width component)."""
-    return torch.where(p.sink_bits_D > 0, (1 << (p.sink_bits_D - 1).clamp_min(0)) - 1, 0)
+    return field_limit(p.sink_bits_D)
 
 
 def sink_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
@@ -180,11 +188,11 @@ def sink_states(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
 
 def sink_fields(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """The sink's stored fields: w + 2^(z - 1) (offset binary, 0 for 0-width components)."""
-    return w_BTD + torch.where(p.sink_bits_D > 0, 1 << (p.sink_bits_D - 1).clamp_min(0), 0)
+    return w_BTD + field_offset(p.sink_bits_D)
 
 
 def from_sink_fields(fields_BTD: Tensor, p: PredictiveParams) -> Tensor:
-    return fields_BTD - torch.where(p.sink_bits_D > 0, 1 << (p.sink_bits_D - 1).clamp_min(0), 0)
+    return fields_BTD - field_offset(p.sink_bits_D)
 
 
 def fake_quant_sequence(x_BFTD: Tensor, p: PredictiveParams, intra_only: bool = False, sink_frames: int = 0) -> Tensor:
