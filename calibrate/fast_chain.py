@@ -132,7 +132,7 @@ class ChainStore:
         return anchors[0] if anchors else None
 
     # ---- the code ---------------------------------------------------------------------------
-    def scan(self, chain: list[int], tokens: slice) -> Tensor:
+    def scan(self, chain: list[int], tokens: slice, sink_w: Tensor | None = None) -> Tensor:
         """Integer states of the chain frames for `tokens`, coded components only: float32 (exact
         integers) [B, Tb, G, J, Dc] (`expand` gives [..., D]).
 
@@ -148,10 +148,18 @@ class ChainStore:
         codes = self.codes[..., tokens].index_select(1, slots)  # [B, J, C, Tb]
         modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
         anchor = self.anchor[..., tokens] if a is not None else None  # [B, Ca, Tb]
-        S = sum(f < self.S for f in chain)  # sink frames come first
-        sinks = self.code.sink_states(self.sinks[:, :S, :, tokens]) if S else None
+        sink_w = self._sink_code(self._sink_count(chain), tokens) if sink_w is None else sink_w  # `_run` unpacks it once
+        sinks = self.code.sink_states(sink_w) if sink_w is not None else None
         return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1,
                               len(chain) > SCAN_MATMUL_FRAMES, sinks)
+
+    def _sink_count(self, frames: list[int]) -> int:
+        return sum(f < self.S for f in frames)  # sink frames come first
+
+    def _sink_code(self, S: int, tokens: slice) -> Tensor | None:
+        """The sink code w [B, S, G, Tb, D] of the first S sink frames for `tokens`, unpacked once
+        per token block for both their states (the scan) and their values (`_block`)."""
+        return self.code.sink_code_of(self.sinks[:, :S, :, tokens]) if S else None
 
     # ---- a step -----------------------------------------------------------------------------
     @property
@@ -237,7 +245,8 @@ class ChainStore:
         block = block or self.token_block
         for t0 in range(0, self.T, block):
             tokens = slice(t0, min(t0 + block, self.T))
-            states = self.scan(chain_pre, tokens) if chain_pre else None
+            sink_w = self._sink_code(self._sink_count(chain_pre), tokens)
+            states = self.scan(chain_pre, tokens, sink_w) if chain_pre else None
             v_e = None
             if pending is not None:
                 v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]
@@ -252,7 +261,10 @@ class ChainStore:
             if with_e:
                 v_e = self.code.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
-            yield self._block(kept, recent_slots, tokens, cos, sin, sum(f < self.S for f in hist_chain))
+            sinks = self._sink_count(hist_chain)
+            if sinks and (sink_w is None or sink_w.shape[1] < sinks):  # a sink frame coded this step
+                sink_w = self._sink_code(sinks, tokens)
+            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :sinks] if sinks else None)
         if commit:
             self.anchor_frame = anchor_post
 
@@ -326,15 +338,15 @@ class ChainStore:
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
             yield self._block(states, None, tokens, cos, sin)
 
-    def _block(self, states, recent_slots, tokens: slice, cos, sin, sinks: int = 0):
+    def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames (None
-        for a kind this store does not hold); the first `sinks` chain frames are sink frames in the
-        sink code, valued by it."""
+        for a kind this store does not hold); the first chain frames are sink frames in the sink
+        code when `sink_w` (their codes w [B, S, G, Tb, D]) is given, valued by it."""
         parts = []
         if states is not None:
             x = self.code.values(states)  # [B, G, J, Tb, D]
-            if sinks:
-                x[:, :, :sinks] = self.code.sink_values(self.sinks[:, :sinks, :, tokens])
+            if sink_w is not None:
+                x[:, :, : sink_w.shape[1]] = self.code.sink_values(sink_w)
             parts.append(x)
         if recent_slots is not None:
             parts.append(self.recent[:, :, recent_slots, tokens].float())

@@ -12,8 +12,9 @@ frames (`fast_chain.ChainStore` holds them):
   FORMAT.md's bound of the reference's values;
 - `encode`: `quant/predictive.encode` itself, every head at once;
 - `anchor_states` / `pack_anchor`: an anchor's packed fields <-> its states;
-- `encode_sink` / `sink_states` / `sink_values`: the sink code (format 1.3) of a sink frame, its
-  packed fields -> the chain's states after it, and -> its values (every component);
+- `encode_sink` / `sink_code_of` / `sink_states` / `sink_values`: the sink code (format 1.3) of a
+  sink frame, its packed fields -> its code w, w -> the chain's states after it, and -> its values
+  (every component);
 - `expand` / `compact`: coded components <-> all D components.
 
 Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head the
@@ -144,15 +145,15 @@ class ChainCode:
         w = fields.view(B, S, self.G, self.D, Tb).transpose(-1, -2).to(torch.int64)
         return w - self.sink_offset[:, None, :]
 
-    def sink_states(self, packed: Tensor) -> Tensor:
-        """Packed sink codes [B, S, Cz, Tb] -> the chain's states, coded components [B, Tb, G, S, Dc]
-        (float32, exact integers)."""
-        v = predictive.sink_states(self.sink_code_of(packed), self.params)  # [B, S, G, Tb, D]
+    def sink_states(self, w: Tensor) -> Tensor:
+        """Sink codes w [B, S, G, Tb, D] (`sink_code_of`) -> the chain's states, coded components
+        [B, Tb, G, S, Dc] (float32, exact integers)."""
+        v = predictive.sink_states(w, self.params)  # [B, S, G, Tb, D]
         return self.compact(v.permute(0, 3, 1, 2, 4)).transpose(2, 3)
 
-    def sink_values(self, packed: Tensor) -> Tensor:
-        """Packed sink codes [B, S, Cz, Tb] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
-        return predictive.sink_values(self.sink_code_of(packed), self.params).transpose(1, 2)
+    def sink_values(self, w: Tensor) -> Tensor:
+        """Sink codes w [B, S, G, Tb, D] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
+        return predictive.sink_values(w, self.params).transpose(1, 2)
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and

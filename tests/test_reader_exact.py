@@ -498,8 +498,8 @@ def test_golden_sink_code(row):
     out = torch.zeros(1, code.sink_layout.nbytes, 1, dtype=torch.uint8)
     code.pack_sink(w2.permute(0, 2, 1, 3), out)
     assert out.flatten().tolist() == packed + packed  # K's row, then V's
-    assert code.expand(code.sink_states(out[:, None]).transpose(2, 3)).flatten().tolist() == states + states
-    assert code.sink_values(out[:, None]).flatten().tolist() == decoded + decoded
+    assert code.expand(code.sink_states(code.sink_code_of(out[:, None])).transpose(2, 3)).flatten().tolist() == states + states
+    assert code.sink_values(code.sink_code_of(out[:, None])).flatten().tolist() == decoded + decoded
     tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}
     mine = reader.predictive_sink(x.numpy(), tensors, 0, "v", 0)
     assert mine["sink"].flatten().tolist() == packed
