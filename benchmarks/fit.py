@@ -25,6 +25,8 @@ at a time at the same budget:
     ours_no_sink_code    the sink frame as the chain's all-intra first frame (fit.sink_bits=0, the
                          previous release) instead of its own 6-bit code
     ours_sink4, ours_sink8  (sweeps, not ablations) the sink code at 4 or 8 bits per component
+    ours_variance_reach6, _reach8, _reach12  (sweeps) `ours_uncoded_as_variance` with anchors
+                         that reach 6, 8 or 12 deviations (fit.anchor_sd) instead of 4
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -83,6 +85,9 @@ ABLATIONS = {
     "ours_no_sink_code": {"sink_bits": 0.0},
     "ours_sink4": {"sink_bits": 4.0},
     "ours_sink8": {"sink_bits": 8.0},
+    "ours_variance_reach6": {"bit_allocation": "waterfill_variance", "anchor_sd": 6.0},
+    "ours_variance_reach8": {"bit_allocation": "waterfill_variance", "anchor_sd": 8.0},
+    "ours_variance_reach12": {"bit_allocation": "waterfill_variance", "anchor_sd": 12.0},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")
