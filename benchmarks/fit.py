@@ -9,8 +9,11 @@ at a time at the same budget:
     ours_post_rotary     keys coded after the rotary encoding
     ours_no_pca          the model's channels as the basis (no PCA)
     ours_uniform_bits    the same width for every component (no water-filling)
-    ours_uncoded_as_variance  (an addition, not an ablation) water-filling that prices an uncoded
-                         component at its whole variance (fit/predictive.py)
+    ours_uncoded_as_weight  the water-filling pricing an uncoded component at its weight
+                         (fit.bit_allocation=waterfill, the previous release) instead of its whole
+                         variance (fit/predictive.py)
+    ours_reach4          anchors that reach 4 deviations of each component (fit.anchor_sd=4, the
+                         previous release) instead of 6
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_refine       the step multipliers of the base width kept after mixed precision
                          (fit.refine_steps=false, the previous release)
@@ -25,8 +28,9 @@ at a time at the same budget:
     ours_no_sink_code    the sink frame as the chain's all-intra first frame (fit.sink_bits=0, the
                          previous release) instead of its own 6-bit code
     ours_sink4, ours_sink8  (sweeps, not ablations) the sink code at 4 or 8 bits per component
-    ours_variance_reach6, _reach8, _reach12  (sweeps) `ours_uncoded_as_variance` with anchors
-                         that reach 6, 8 or 12 deviations (fit.anchor_sd) instead of 4
+    ours_uncoded_as_variance, ours_variance_reach6, _reach8, _reach12  (sweeps of
+                         anchor_reach_sink.md, made before today's default) the variance pricing
+                         with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd)
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -75,7 +79,7 @@ ABLATIONS = {
     "ours_post_rotary": {"pre_rotary": False},
     "ours_no_pca": {"basis": "identity"},
     "ours_uniform_bits": {"bit_allocation": "uniform"},
-    "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance"},
+    "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance", "anchor_sd": 4.0},  # before both became the default
     "ours_no_mixed": {"mixed_precision": False},
     "ours_no_refine": {"refine_steps": False},
     "ours_wide_base": {"base_bits_max": 2.0},
@@ -85,6 +89,8 @@ ABLATIONS = {
     "ours_no_sink_code": {"sink_bits": 0.0},
     "ours_sink4": {"sink_bits": 4.0},
     "ours_sink8": {"sink_bits": 8.0},
+    "ours_uncoded_as_weight": {"bit_allocation": "waterfill"},
+    "ours_reach4": {"anchor_sd": 4.0},
     "ours_variance_reach6": {"bit_allocation": "waterfill_variance", "anchor_sd": 6.0},
     "ours_variance_reach8": {"bit_allocation": "waterfill_variance", "anchor_sd": 8.0},
     "ours_variance_reach12": {"bit_allocation": "waterfill_variance", "anchor_sd": 12.0},

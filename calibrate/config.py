@@ -108,14 +108,14 @@ class FitConfig:
     temporal: bool = True  # tokens may be coded against the previous frame (false: every frame intra-coded)
     pre_rotary: bool = True  # keys coded before the rotary encoding when the model gives rotary coordinates
     basis: str = "pca"  # pca: each head's principal axes | identity: the model's channels
-    bit_allocation: str = "waterfill"  # waterfill: widths by variance | waterfill_variance (uncoded priced at its variance) | uniform
+    bit_allocation: str = "waterfill_variance"  # waterfill_variance: an uncoded component priced at its variance | waterfill: at its weight | uniform
     intra_mults: list[float] = field(default_factory=lambda: [1.0, 1.3, 1.7])  # intra step / Gaussian-optimal step
     intra_mult_max: float = 8.0  # the intra grid grows past its top (x1.3) while a head chooses the top, up to this
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step
     inter_mult_max: float = 1.4  # the same for the inter grid; 1.4, its top: it does not grow
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
     base_bits_max: float = 1.25  # every head starts at the widest base width up to this (bits per component, 1-2)
-    anchor_sd: float = 4.0  # an anchor holds a state up to this many standard deviations of its component
+    anchor_sd: float = 6.0  # an anchor holds a state up to this many standard deviations of its component
     sink_bits: float = 6.0  # the sink frame's own code: average bits per component (0 = the sink is the chain's first frame)
     sink_sd: float = 8.0  # the sink code's reach in standard deviations of each component
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no

@@ -11,9 +11,10 @@ recording cache streams (stats.py). Then:
    mode (most tokens) sees d_i^2, intra mode sigma_i^2; w_i = d_i^2 + intra_weight * sigma_i^2.
    An uncoded component (b = 0) is 0 in both modes, so its real distortion is its whole variance
    sigma_i^2, and leaving out one that barely changes makes the same error in every frame (the
-   noise twin's coherent error, evaluate/twin.py). `allocation="waterfill_variance"` prices
-   D_i(0) = sigma_i^2 accordingly; measured on held-out rollouts it scores the same as the
-   default (artifacts/benchmarks/fit.md, `ours_uncoded_as_variance`), so the default keeps w_i.
+   noise twin's coherent error, evaluate/twin.py). `allocation="waterfill_variance"` (the
+   config's default) prices D_i(0) = sigma_i^2 accordingly; "waterfill" prices it at w_i. Level
+   before the sink code, it earns +0.9 dB late on TinyWorld with it and is level on WanWorld
+   (artifacts/benchmarks/anchor_reach_sink.md, README).
 3. **Steps**: the MSE-optimal uniform step of a Gaussian at b bits (`GAUSSIAN_STEP`, times
    sigma_i for intra and d_i for inter), scaled by the fitted multipliers.
 4. **Integer grid**: unit_i = min(intra step, inter step) / (2 * resolution), so both steps are
