@@ -30,7 +30,9 @@ at a time at the same budget:
     ours_sink4, ours_sink8  (sweeps, not ablations) the sink code at 4 or 8 bits per component
     ours_uncoded_as_variance, ours_variance_reach6, _reach8, _reach12  (sweeps of
                          anchor_reach_sink.md, made before today's default) the variance pricing
-                         with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd)
+                         with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd); at
+                         today's default the first is the same setting as ours_reach4 and the
+                         second as ours, kept under the names that report's command uses
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per

@@ -243,9 +243,10 @@ class ChainStore:
             cos, sin = rope(hist_chain + recent_post)
         recent_slots = self._index([f % self.R for f in recent_post]) if recent_post else None
         block = block or self.token_block
+        pre_sinks, hist_sinks = self._sink_count(chain_pre), self._sink_count(hist_chain)
         for t0 in range(0, self.T, block):
             tokens = slice(t0, min(t0 + block, self.T))
-            sink_w = self._sink_code(self._sink_count(chain_pre), tokens)
+            sink_w = self._sink_code(pre_sinks, tokens)
             states = self.scan(chain_pre, tokens, sink_w) if chain_pre else None
             v_e = None
             if pending is not None:
@@ -261,10 +262,9 @@ class ChainStore:
             if with_e:
                 v_e = self.code.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
-            sinks = self._sink_count(hist_chain)
-            if sinks and (sink_w is None or sink_w.shape[1] < sinks):  # a sink frame coded this step
-                sink_w = self._sink_code(sinks, tokens)
-            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :sinks] if sinks else None)
+            if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
+                sink_w = self._sink_code(hist_sinks, tokens)
+            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None)
         if commit:
             self.anchor_frame = anchor_post
 
