@@ -116,6 +116,7 @@ class FitConfig:
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
     base_bits_max: float = 1.25  # every head starts at the widest base width up to this (bits per component, 1-2)
     anchor_sd: float = 6.0  # an anchor holds a state up to this many standard deviations of its component
+    anchor_peak_mult: float = 0.0  # ... and up to this multiple of the largest deviation the fit's trace shows (0: off)
     sink_bits: float = 6.0  # the sink frame's own code: average bits per component (0 = the sink is the chain's first frame)
     sink_sd: float = 8.0  # the sink code's reach in standard deviations of each component
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
@@ -169,6 +170,8 @@ class FitConfig:
         positive("fit.closed_loop_frames", self.closed_loop_frames)
         if not (math.isfinite(self.anchor_sd) and self.anchor_sd > 0):
             raise ValueError(f"config: fit.anchor_sd must be a finite number > 0, got {self.anchor_sd}")
+        if not (math.isfinite(self.anchor_peak_mult) and self.anchor_peak_mult >= 0):
+            raise ValueError(f"config: fit.anchor_peak_mult must be a finite number >= 0 (0: off), got {self.anchor_peak_mult}")
         if not (0 <= self.sink_bits <= 16):  # nan fails too
             raise ValueError(f"config: fit.sink_bits must lie in [0, 16] bits per component, got {self.sink_bits}")
         if not (math.isfinite(self.sink_sd) and self.sink_sd > 0):

@@ -303,10 +303,10 @@ def test_a_tensor_left_at_the_base_width_reuses_its_first_search(model, monkeypa
 
     search, reused = ps._layer_steps, []
 
-    def checked(layer, trace, reference, stats, cfg, pre, widths, known=None):
-        out = search(layer, trace, reference, stats, cfg, pre, widths, known)
+    def checked(layer, trace, reference, stats, cfg, pre, widths, peaks, known=None):
+        out = search(layer, trace, reference, stats, cfg, pre, widths, peaks, known)
         if known:
-            again = search(layer, trace, reference, stats, cfg, pre, widths)
+            again = search(layer, trace, reference, stats, cfg, pre, widths, peaks)
             assert out == again
             reused.extend((layer, kind) for kind in known)
         return out
@@ -328,7 +328,7 @@ def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
     before = {(layer, kind): list(pair[kind].heads) for layer, pair in enumerate(fits) for kind in ("k", "v")}
     info = as_world(model).info
 
-    def finest(layer, trace, reference, stats, cfg, pre, widths, known=None):
+    def finest(layer, trace, reference, stats, cfg, pre, widths, peaks, known=None):
         return {kind: {"intra_mult": [min(cfg.intra_mults)] * len(w), "inter_mult": [min(cfg.inter_mults)] * len(w)}
                 for kind, w in widths.items()}
 
@@ -365,3 +365,23 @@ def test_a_sink_code_is_fitted_within_the_budget_and_its_bytes_counted(model):
     assert "sink" in cache._frames[0][0]["k"][0]
     assert cache.nbytes() == cache.predicted_nbytes(40)
     assert 16.0 * cache.nbytes() / fp16_cache_bytes(recipe.model, 40, 16, 1) <= 2.5 + 1e-9
+
+
+def test_anchors_hold_the_peak_multiple_of_the_traced_deviations(model, monkeypatch):
+    """`fit.anchor_peak_mult`: every coded component's anchor holds that multiple of the largest
+    deviation the fit's trace showed (as `trace_peaks` gave it to the fitter), within the budget."""
+    from calibrate.fit import predictive_search
+
+    seen = []
+    real = predictive_search.trace_peaks
+    monkeypatch.setattr(predictive_search, "trace_peaks", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    recipe, record = calibration.fit(tiny_fit_config(anchor_peak_mult=3.0), model, CPU)
+    assert record["anchor_peak_mult"] == 3.0 and record["bits_per_element"] <= 2.5 + 1e-9
+    assert len(seen) == 2 * TINY_WORLD.num_layers  # K and V of every layer, in that order
+    for i in range(TINY_WORLD.num_layers):
+        for j, kind in enumerate(("k", "v")):
+            peak = seen[2 * i + j]
+            bits, anchor = recipe.tensor(i, kind, "channel_bits"), recipe.tensor(i, kind, "anchor_bits")
+            reach = ((2 ** (anchor - 1) - 1).clamp_min(0) * recipe.tensor(i, kind, "unit")).float()
+            coded = bits > 0
+            assert bool((reach[coded] >= 3.0 * peak[coded] * (1 - 1e-6)).all()), (i, kind)

@@ -235,6 +235,49 @@ def test_twice_the_anchor_reach_costs_at_most_one_bit_and_holds_twice_the_deviat
     assert bool(((far.anchor_bits_D - near.anchor_bits_D)[coded] <= 1).all()) and bool((far.anchor_bits_D >= near.anchor_bits_D).all())
 
 
+def test_anchors_reach_the_calibration_peak_where_it_is_past_the_fixed_reach():
+    """A component whose traced peak is past clip_sd sigma / peak_mult gets an anchor holding
+    peak_mult * peak; the others, and the grid, are those of the fixed reach."""
+    torch.manual_seed(3)
+    D = 16
+    A = torch.randn(D, D) * torch.logspace(0, -2, D)
+    cov = A @ A.T
+    fixed = FP.fit_head(torch.zeros(D), cov, cov * 0.01, 2.0, clip_sd=4.0)
+    sigma = torch.diagonal(fixed.rotation_DD.T @ cov @ fixed.rotation_DD).sqrt()
+    peak = 1.5 * sigma  # 2 x 1.5 sigma: inside 4 sigma
+    peak[0], peak[3] = 9.0 * sigma[0], 5.0 * sigma[3]  # 18 and 10 sigma: past it
+    got = FP.fit_head(torch.zeros(D), cov, cov * 0.01, 2.0, clip_sd=4.0, peak_D=peak, peak_mult=2.0)
+    assert torch.equal(got.unit_D, fixed.unit_D) and torch.equal(got.bits_D, fixed.bits_D)
+    assert torch.equal(got.inter_step_D, fixed.inter_step_D) and torch.equal(got.intra_step_D, fixed.intra_step_D)
+    for i in (0, 3):
+        assert float(got.limit_D[i] * got.unit_D[i]) >= 2.0 * float(peak[i]) * (1 - 1e-6)
+        assert int(got.anchor_bits_D[i]) > int(fixed.anchor_bits_D[i])
+    rest = torch.ones(D, dtype=torch.bool)
+    rest[[0, 3]] = False
+    assert torch.equal(got.anchor_bits_D[rest], fixed.anchor_bits_D[rest])
+    off = FP.fit_head(torch.zeros(D), cov, cov * 0.01, 2.0, clip_sd=4.0, peak_D=peak, peak_mult=0.0)
+    assert torch.equal(off.anchor_bits_D, fixed.anchor_bits_D)
+
+
+def test_trace_peaks_are_the_largest_deviations_past_the_sink_in_the_fitted_basis():
+    from calibrate.fit.predictive_codes import trace_peaks
+
+    g = torch.Generator().manual_seed(5)
+    B, H, F, T, D = 2, 2, 5, 3, 4
+    x = torch.randn(B, H, F, T, D, generator=g)
+    x[:, :, 0] = 100.0  # the sink frame: its own code, not counted
+    mean = torch.randn(H, D, generator=g)
+    A = torch.randn(H, D, D, generator=g)
+    cov = (A @ A.transpose(1, 2)).double()
+    got = trace_peaks(x, mean, cov, pca_basis=True, sink_frames=1)
+    for h in range(H):
+        R = FP.pca(cov[h])[1]
+        u = (x[:, h, 1:].reshape(-1, D) - mean[h]) @ R
+        assert torch.equal(got[h], u.abs().amax(0))
+    plain = trace_peaks(x, mean, cov, pca_basis=False, sink_frames=1)
+    assert torch.equal(plain, (x[:, :, 1:] - mean[None, :, None, None]).abs().amax(dim=(0, 2, 3)))
+
+
 def field_golden_vectors():
     """Rows `| widths | values | packed hex |` of FORMAT.md's field golden vectors."""
     import re

@@ -19,7 +19,11 @@ recording cache streams (stats.py). Then:
    sigma_i for intra and d_i for inter), scaled by the fitted multipliers.
 4. **Integer grid**: unit_i = min(intra step, inter step) / (2 * resolution), so both steps are
    whole multiples of the unit within 1/resolution; anchors hold |v| up to clip_sd * sigma_i,
-   which sets their width a_i (at most 16 bits: beyond that the unit grows instead).
+   and up to `peak_mult` times the largest |u_i| the calibration trace showed (`peak_D`) where
+   that is further, which sets their width a_i (at most 16 bits: beyond that the unit grows
+   instead). A state past the reach is clamped to it in every frame it stays there: on a still
+   camera that is the same error again and again, and heavy-tailed components pass 6 sd far more
+   often than a Gaussian would (`fit.anchor_peak_mult`, README).
 
 5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
    component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each
@@ -132,14 +136,17 @@ def fit_sink(sigma_D: Tensor, avg_bits: float, sink_sd: float) -> tuple[Tensor, 
 def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: float, *, intra_weight: float = 0.1,
              intra_mult: float = 1.3, inter_mult: float = 0.7, resolution: int = 2, clip_sd: float = 4.0,
              rotation_DD: Tensor | None = None, temporal: bool = True, allocation: str = "waterfill",
-             sink_bits: float = 0.0, sink_sd: float = 8.0, sink_cov_DD: Tensor | None = None) -> PredictiveParams:
+             sink_bits: float = 0.0, sink_sd: float = 8.0, sink_cov_DD: Tensor | None = None,
+             peak_D: Tensor | None = None, peak_mult: float = 0.0) -> PredictiveParams:
     """A head's predictive code spending `avg_bits` per component on average (see module docstring).
 
     `allocation="waterfill_variance"` prices an uncoded component at its variance (module docstring).
     `temporal=False` sizes an intra-only code (widths by sigma^2 alone, the grid by the intra step);
     `allocation="uniform"` gives every component the same width (the ablation without water-filling).
     `sink_bits` > 0 adds the sink code (module docstring), sized by `sink_cov_DD` (the sink frames'
-    second moment about the mean; None: the covariance).
+    second moment about the mean; None: the covariance). `peak_D` (the largest |u_i| seen, in this
+    head's basis: `rotation_DD`, or the PCA of `cov_DD`) with `peak_mult` > 0 widens the reach of
+    the anchors to peak_mult * peak_D where that is past clip_sd * sigma_i.
     """
     D = mean_D.numel()
     if rotation_DD is None:
@@ -161,15 +168,19 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
         s_inter = s_intra
     n = (1 << bits) - 1
     max_v = 2 ** (MAX_ANCHOR_BITS - 1) - 1
-    # the reach of an anchor: clip_sd standard deviations, and at least the outermost intra level
-    span = torch.maximum(clip_sd * sigma, n * s_intra / 2)
+    # the reach of an anchor: clip_sd standard deviations (or peak_mult calibration peaks, if further),
+    # and at least the outermost intra level
+    far = clip_sd * sigma
+    if peak_D is not None and peak_mult > 0:
+        far = torch.maximum(far, peak_mult * peak_D.float())
+    span = torch.maximum(far, n * s_intra / 2)
     unit = torch.maximum(torch.minimum(s_intra, s_inter) / (2 * resolution), span / max_v)  # anchors <= 16 bits
     coded = bits > 0
     unit = torch.where(coded, unit, torch.ones_like(unit))
     intra_step = torch.round(s_intra / (2 * unit)).to(torch.int64).clamp_min(1)
     intra_step = torch.minimum(intra_step, (max_v // n.clamp_min(1)).clamp_min(1))
     inter_step = torch.round(s_inter / (2 * unit)).to(torch.int64).clamp(1, max_v)
-    reach = torch.maximum(torch.ceil(clip_sd * sigma / unit).to(torch.int64), intra_step * n).clamp(1, max_v)
+    reach = torch.maximum(torch.ceil(far / unit).to(torch.int64), intra_step * n).clamp(1, max_v)
     anchor = torch.ceil(torch.log2(2 * reach.double() + 1)).to(torch.int64).clamp(2, MAX_ANCHOR_BITS)
     anchor = torch.where(coded, anchor, torch.zeros_like(anchor))
     intra_step = torch.where(coded, intra_step, torch.ones_like(intra_step))

@@ -12,7 +12,7 @@ from torch import Tensor
 from calibrate import predictive_roles
 from calibrate.config import FitConfig
 from calibrate.fit.objective import LayerTrace, attention_outputs, head_scores
-from calibrate.fit.predictive import fit_head
+from calibrate.fit.predictive import fit_head, pca
 from calibrate.quant.predictive import fake_quant_sequence
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
@@ -47,6 +47,19 @@ def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tens
     return mean, cov, delta, sink
 
 
+def trace_peaks(x_BHFTD: Tensor, mean_HD: Tensor, cov_HDD: Tensor, pca_basis: bool, sink_frames: int) -> Tensor:
+    """The largest |u_i| per head and component [H, D] float32 over a trace's frames past the sink
+    (the sink frames have their own code), in the basis `fit_head` fits from the same covariance
+    (its PCA, or the channels themselves)."""
+    out = []
+    for h in range(x_BHFTD.shape[1]):
+        x = x_BHFTD[:, h, sink_frames:].float().reshape(-1, x_BHFTD.shape[-1])
+        R = pca(cov_HDD[h])[1] if pca_basis else torch.eye(x.shape[-1])
+        u = (x - mean_HD[h].float()) @ R
+        out.append(u.abs().amax(0) if u.numel() else torch.zeros(x.shape[-1]))
+    return torch.stack(out)
+
+
 @dataclass
 class TensorFit:
     """One (layer, K or V): its statistics and the per-head choices."""
@@ -58,6 +71,7 @@ class TensorFit:
     delta: Tensor
     sink: Tensor | None  # the sink frames' second moment about `mean` (None: size the sink code by `cov`)
     heads: list[HeadCode]
+    peak: Tensor | None = None  # [H, D] the calibration trace's largest |u_i| (trace_peaks); None: not used
     _cache: dict = field(default_factory=dict, repr=False)  # (head, HeadCode) -> PredictiveParams
 
     def params(self, cfg: FitConfig, heads: list[HeadCode] | None = None):
@@ -69,7 +83,8 @@ class TensorFit:
                     inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
                     allocation=cfg.bit_allocation, sink_bits=cfg.sink_bits, sink_sd=cfg.sink_sd,
                     sink_cov_DD=None if self.sink is None else self.sink[h],
-                    rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]))
+                    rotation_DD=None if cfg.basis == "pca" else torch.eye(self.mean.shape[-1]),
+                    peak_D=None if self.peak is None else self.peak[h], peak_mult=cfg.anchor_peak_mult)
             out.append(self._cache[(h, c)])
         return out
 
@@ -87,7 +102,7 @@ def reconstruct(trace: LayerTrace, fit: TensorFit, cfg: FitConfig, heads: list[H
                 only: int | None = None) -> Tensor:
     """The tensor's frames [B, H, F, T, D] as the runtime reconstructs them (keys post-rotary);
     with `only` = h, head h alone from a one-head `trace` (`Trace.layer(..., heads=...)`): [B, 1, F, T, D]."""
-    x = trace.v if fit.kind == "v" else (trace.k_pre if fit.stat_kind == "kpre" else trace.k)
+    x = traced(trace, fit.kind, fit.stat_kind)
     params = fit.params(cfg, heads)
     pairs = list(enumerate(params)) if only is None else [(0, params[only])]
     out = torch.stack([fake_quant_sequence(x[:, i], p.to(x.device), intra_only=not cfg.temporal,
@@ -118,3 +133,14 @@ def assemble(info: ModelInfo, fits: list[dict[str, TensorFit]], cfg: FitConfig, 
 
 def stat_kind(kind: str, pre: bool) -> str:
     return "kpre" if (kind == "k" and pre) else kind
+
+
+def tensor_fit(stats: KVStats, kind: str, pre: bool, layer: int, heads: list[HeadCode],
+               peak: Tensor | None = None) -> TensorFit:
+    """One tensor's fit from the statistics: K pre-rotary when `pre`."""
+    return TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer), heads, peak)
+
+
+def traced(trace: LayerTrace, kind: str, stat: str) -> Tensor:
+    """The trace's frames of one tensor as the code sees them [B, H, F, T, D] (keys pre-rotary for "kpre")."""
+    return trace.v if kind == "v" else (trace.k_pre if stat == "kpre" else trace.k)

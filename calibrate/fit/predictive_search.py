@@ -47,7 +47,7 @@ from calibrate.config import FitConfig
 from calibrate.distributed import Shard
 from calibrate.fit.objective import LayerTrace, attention_outputs
 from calibrate.fit.predictive_codes import (KINDS, HeadCode, TensorFit, assemble, head_objective, moments, reconstruct,
-                                            stat_kind)
+                                            stat_kind, tensor_fit, trace_peaks, traced)
 from calibrate.memory import (bits_per_element, fp16_cache_bytes, predicted_cache_bytes, predictive_head_bytes,
                               steady_phases, steady_state_frames)
 from calibrate.quant.predictive import MAX_BITS
@@ -81,11 +81,13 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
     pre = cfg.pre_rotary and rotary_coords > 0
     record: dict = {"code": "predictive", "lambda_temporal": lam, "budget_bits": cfg.budget_bits,
                     "keys": "pre-rotary" if pre else "post-rotary", "temporal": cfg.temporal, "basis": cfg.basis,
-                    "bit_allocation": cfg.bit_allocation, "sink_bits": cfg.sink_bits, "layers": []}
+                    "bit_allocation": cfg.bit_allocation, "sink_bits": cfg.sink_bits, "anchor_sd": cfg.anchor_sd,
+                    "anchor_peak_mult": cfg.anchor_peak_mult, "layers": []}
     if cfg.pre_rotary and not rotary_coords:
         record["keys_why"] = "the model's rotary gives no coordinates: keys are coded post-rotary"
+    peaks = _peaks(info, traces, stats, cfg, pre, shard)
     try:
-        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
+        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, peaks, stats, pre)
     except BudgetError:
         if not cfg.sink_bits:
             raise
@@ -95,7 +97,7 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
         log.warning(why)
         cfg = replace(cfg, sink_bits=0.0)
         record["sink_bits"], record["sink_why"] = 0.0, why
-        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, traces, stats, pre)
+        base_bits = _base_bits(info, cfg, rotary_coords if pre else 0, window, sink_frames, peaks, stats, pre)
     fits, refs = [], [None] * info.num_layers
     for layer in tqdm(range(info.num_layers), desc="fit layers", unit="layer"):
         entry = None
@@ -103,11 +105,11 @@ def fit_predictive(info: ModelInfo, traces: list[LayerTrace], stats: KVStats, cf
             trace = traces[layer]
             refs[layer] = attention_outputs(trace)
             entry = _layer_steps(layer, trace, refs[layer], stats, cfg, pre, {kind: [base_bits] * info.num_kv_heads
-                                                                                for kind in KINDS})
+                                                                                for kind in KINDS}, peaks[layer])
         entry = shard.share(layer, entry)
-        fits.append({kind: TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer),
-                                     [HeadCode(base_bits, a, b) for a, b in zip(entry[kind]["intra_mult"],
-                                                                                 entry[kind]["inter_mult"])])
+        fits.append({kind: tensor_fit(stats, kind, pre, layer, [HeadCode(base_bits, a, b) for a, b in
+                                                                zip(entry[kind]["intra_mult"], entry[kind]["inter_mult"])],
+                                      peaks[layer][kind])
                      for kind in KINDS})
         record["layers"].append(entry)
     for line in grid_edges(record["layers"], cfg):
@@ -145,7 +147,8 @@ def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, ro
                     break  # V's search reads the fitted K: new K steps make it a new question
                 if all(w == base_bits for w in widths[kind]):
                     known[kind] = base[layer][kind]
-            entry = _layer_steps(layer, traces[layer], refs[layer], stats, cfg, pre, widths, known)
+            entry = _layer_steps(layer, traces[layer], refs[layer], stats, cfg, pre, widths,
+                                 {kind: fits[layer][kind].peak for kind in KINDS}, known)
         entry = shard.share(layer, entry)
         before = {kind: fits[layer][kind].heads for kind in KINDS}
         for kind in KINDS:
@@ -161,10 +164,12 @@ def _refine_steps(info, traces, refs, fits, stats, cfg: FitConfig, pre: bool, ro
 
 
 def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStats, cfg: FitConfig, pre: bool,
-                 widths: dict[str, list[float]], known: dict[str, dict] | None = None) -> dict:
+                 widths: dict[str, list[float]], peaks: dict[str, Tensor | None],
+                 known: dict[str, dict] | None = None) -> dict:
     """One layer's step multipliers per head at `widths` (bits per component per head): K with V in
     full precision, then V with the fitted K, each the pair of `fit.intra_mults` x `fit.inter_mults`
-    with the lowest objective per head. A kind in `known` takes that entry instead of a search.
+    with the lowest objective per head. A kind in `known` takes that entry instead of a search;
+    `peaks` are the layer's trace peaks per kind (`_peaks`).
 
     Each axis grows past its top (x `GRID_GROWTH`, up to `fit.intra_mult_max` / `fit.inter_mult_max`)
     while some head's best pair sits at that top: no fixed grid knows how wide a model's tails are
@@ -174,7 +179,7 @@ def _layer_steps(layer: int, trace: LayerTrace, reference: Tensor, stats: KVStat
     lam, known = cfg.lambda_temporal, known or {}
     entry, k_hat = {}, None
     for kind in KINDS:
-        fit = TensorFit(kind, stat_kind(kind, pre), *moments(stats, stat_kind(kind, pre), layer), [])
+        fit = tensor_fit(stats, kind, pre, layer, [], peaks[kind])
         H = fit.mean.shape[0]
         if kind in known:
             entry[kind] = known[kind]
@@ -256,7 +261,25 @@ def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int)
     return bits_per_element(info, scheme, window, sink_frames)
 
 
-def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre) -> float:
+def _peaks(info: ModelInfo, traces, stats: KVStats, cfg: FitConfig, pre: bool, shard: Shard) -> list[dict]:
+    """Per layer and kind, the trace's largest |u_i| per head and component [H, D] (`trace_peaks`)
+    when `fit.anchor_peak_mult` > 0 (None otherwise): computed by each layer's owner, shared."""
+    out = []
+    for layer in range(info.num_layers):
+        entry = None
+        if cfg.anchor_peak_mult > 0 and shard.owns(layer):
+            entry = {}
+            for kind in KINDS:
+                stat = stat_kind(kind, pre)
+                mean, cov, _, _ = moments(stats, stat, layer)
+                entry[kind] = trace_peaks(traced(traces[layer], kind, stat), mean, cov, cfg.basis == "pca",
+                                          traces[layer].sink_frames).tolist()
+        entry = shard.share(layer, entry) if cfg.anchor_peak_mult > 0 else None
+        out.append({kind: None if entry is None else torch.tensor(entry[kind], dtype=torch.float32) for kind in KINDS})
+    return out
+
+
+def _base_bits(info, cfg, rotary_coords, window, sink_frames, peaks, stats, pre) -> float:
     """The widest base width (`fit.base_bits_max` down to 1.0 bits per component, in quarter bits)
     whose recipe fits the budget whatever step multipliers the search then picks (the smallest
     steps need the widest anchors). The allocator spends the rest where the objective gains most,
@@ -264,10 +287,8 @@ def _base_bits(info, cfg, rotary_coords, window, sink_frames, traces, stats, pre
     WanWorld's keys: README, Fitting)."""
     finest = HeadCode(0.0, min(cfg.intra_mults), min(cfg.inter_mults) * min(min(cfg.closed_loop_scales), 1.0))
     for avg in [b / 4 for b in range(int(cfg.base_bits_max * 4), int(MIN_BASE_BITS * 4) - 1, -1)]:
-        fits = [{kind: TensorFit(kind, "kpre" if kind == "k" and pre else kind,
-                                 *moments(stats, "kpre" if kind == "k" and pre else kind, l),
-                                 [replace(finest, avg_bits=avg)] * info.num_kv_heads) for kind in KINDS}
-                for l in range(info.num_layers)]
+        fits = [{kind: tensor_fit(stats, kind, pre, l, [replace(finest, avg_bits=avg)] * info.num_kv_heads, peaks[l][kind])
+                 for kind in KINDS} for l in range(info.num_layers)]
         if bits_per_element(info, assemble(info, fits, cfg, rotary_coords).scheme, window, sink_frames) <= cfg.budget_bits + 1e-9:
             return avg
     raise BudgetError(f"config: fit.budget_bits={cfg.budget_bits} is below what a predictive code of 1 bit per "
