@@ -97,7 +97,8 @@ ABLATIONS = {
     "ours_variance_reach8": {"bit_allocation": "waterfill_variance", "anchor_sd": 8.0},
     "ours_variance_reach12": {"bit_allocation": "waterfill_variance", "anchor_sd": 12.0},
     "ours_peak1.5": {"anchor_peak_mult": 1.5},
-    "ours_peak2": {"anchor_peak_mult": 2.0},
+    "ours_peak2": {"anchor_peak_mult": 2.0},  # the default since anchor_peak.md: equals ours
+    "ours_no_peak": {"anchor_peak_mult": 0.0},
     "ours_peak3": {"anchor_peak_mult": 3.0},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"

@@ -116,7 +116,7 @@ class FitConfig:
     bits_step: float = 0.25  # mixed precision: bits per component added to one head per upgrade
     base_bits_max: float = 1.25  # every head starts at the widest base width up to this (bits per component, 1-2)
     anchor_sd: float = 6.0  # an anchor holds a state up to this many standard deviations of its component
-    anchor_peak_mult: float = 0.0  # ... and up to this multiple of the largest deviation the fit's trace shows (0: off)
+    anchor_peak_mult: float = 2.0  # ... and up to this multiple of the largest deviation the fit's trace shows (0: off)
     sink_bits: float = 6.0  # the sink frame's own code: average bits per component (0 = the sink is the chain's first frame)
     sink_sd: float = 8.0  # the sink code's reach in standard deviations of each component
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no

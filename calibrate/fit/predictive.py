@@ -23,7 +23,10 @@ recording cache streams (stats.py). Then:
    that is further, which sets their width a_i (at most 16 bits: beyond that the unit grows
    instead). A state past the reach is clamped to it in every frame it stays there: on a still
    camera that is the same error again and again, and heavy-tailed components pass 6 sd far more
-   often than a Gaussian would (`fit.anchor_peak_mult`, README).
+   often than a Gaussian would. The config's default, twice the trace's peak (`fit.anchor_sd=6`,
+   `fit.anchor_peak_mult=2`), widens only the components that need it: a fixed reach of 8 sd
+   cost WanWorld 2.3 dB, the peak rule gains on both models (artifacts/benchmarks/anchor_peak.md,
+   README).
 
 5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
    component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each
