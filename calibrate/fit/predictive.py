@@ -25,8 +25,9 @@ recording cache streams (stats.py). Then:
    camera that is the same error again and again, and heavy-tailed components pass 6 sd far more
    often than a Gaussian would. The config's default, twice the trace's peak (`fit.anchor_sd=6`,
    `fit.anchor_peak_mult=2`), widens only the components that need it: a fixed reach of 8 sd
-   cost WanWorld 2.3 dB, the peak rule gains on both models (artifacts/benchmarks/anchor_peak.md,
-   README).
+   cost WanWorld 2.3 dB; the peak rule gains on TinyWorld (+0.3 dB late, p95 +2.3, still camera
+   +3.3) and on WanWorld's first 64 frames and tails (frames 128-256 -0.2 dB;
+   artifacts/benchmarks/anchor_peak.md, README).
 
 5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
    component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each

@@ -9,7 +9,9 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    gives its rotary coordinates (`fit.pre_rotary`): a moving camera rotates post-rotary keys
    from frame to frame, which hides both the low-dimensional structure (post-rotary keys need
    ~35 principal components for 90% of their energy, pre-rotary ~5) and the temporal
-   redundancy the code exploits.
+   redundancy the code exploits. With `fit.anchor_peak_mult` > 0, also each component's largest
+   deviation in the trace (its frames past the sink, in the head's basis): the anchors reach that
+   multiple of it where that is past `fit.anchor_sd` deviations (fit/predictive.py, step 4).
 2. **Per tensor** (K with V in full precision, then V with the fitted K): each head's intra and
    inter step multipliers from `fit.intra_mults` x `fit.inter_mults`, the pair with the lowest
    objective per head (heads are independent in the objective), at the base width; each axis
