@@ -14,6 +14,8 @@ at a time at the same budget:
                          variance (fit/predictive.py)
     ours_reach4          anchors that reach 4 deviations of each component (fit.anchor_sd=4, the
                          previous release) instead of 6
+    ours_no_peak         anchors of one reach for every component (fit.anchor_peak_mult=0, the
+                         previous release) instead of twice the trace's peak where that is further
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_refine       the step multipliers of the base width kept after mixed precision
                          (fit.refine_steps=false, the previous release)
@@ -33,6 +35,8 @@ at a time at the same budget:
                          with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd); at
                          today's default the first is the same setting as ours_reach4 and the
                          second as ours, kept under the names that report's command uses
+    ours_peak1.5, ours_peak2, ours_peak3  (the sweep of anchor_peak.md, made before today's
+                         default) fit.anchor_peak_mult at 1.5, 2 (today's default: ours) and 3
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -96,9 +100,9 @@ ABLATIONS = {
     "ours_variance_reach6": {"bit_allocation": "waterfill_variance", "anchor_sd": 6.0},
     "ours_variance_reach8": {"bit_allocation": "waterfill_variance", "anchor_sd": 8.0},
     "ours_variance_reach12": {"bit_allocation": "waterfill_variance", "anchor_sd": 12.0},
+    "ours_no_peak": {"anchor_peak_mult": 0.0},
     "ours_peak1.5": {"anchor_peak_mult": 1.5},
     "ours_peak2": {"anchor_peak_mult": 2.0},  # the default since anchor_peak.md: equals ours
-    "ours_no_peak": {"anchor_peak_mult": 0.0},
     "ours_peak3": {"anchor_peak_mult": 3.0},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"

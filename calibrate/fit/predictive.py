@@ -110,6 +110,12 @@ def pca(cov_DD: Tensor) -> tuple[Tensor, Tensor]:
     return evals.flip(0).clamp_min(0).float(), evecs.flip(-1).float().contiguous()
 
 
+def head_basis(cov_DD: Tensor, pca_basis: bool = True) -> Tensor:
+    """A head's basis [D, D] float32, columns the components: its principal axes (`pca`), or the
+    model's channels themselves (`fit.basis=identity`)."""
+    return pca(cov_DD)[1] if pca_basis else torch.eye(cov_DD.shape[-1])
+
+
 def sink_widths(sigma_D: Tensor, step: float, sink_sd: float) -> Tensor:
     """Widths [D] of the sink code at `step`: reach ceil(sink_sd sigma / step) levels each side
     (at most 16 bits), 0 where sink_sd sigma < step / 2."""
@@ -154,7 +160,7 @@ def fit_head(mean_D: Tensor, cov_DD: Tensor, delta_cov_DD: Tensor, avg_bits: flo
     """
     D = mean_D.numel()
     if rotation_DD is None:
-        _, rotation_DD = pca(cov_DD)
+        rotation_DD = head_basis(cov_DD)
     R = rotation_DD.float()
     sigma = torch.diagonal(R.double().T @ cov_DD.double() @ R.double()).clamp_min(0).sqrt().float().clamp_min(1e-8)
     delta = torch.diagonal(R.double().T @ delta_cov_DD.double() @ R.double()).clamp_min(0).sqrt().float()

@@ -266,18 +266,20 @@ def budget_floor(info: ModelInfo, cfg: FitConfig, window: int, sink_frames: int)
 def _peaks(info: ModelInfo, traces, stats: KVStats, cfg: FitConfig, pre: bool, shard: Shard) -> list[dict]:
     """Per layer and kind, the trace's largest |u_i| per head and component [H, D] (`trace_peaks`)
     when `fit.anchor_peak_mult` > 0 (None otherwise): computed by each layer's owner, shared."""
+    if cfg.anchor_peak_mult <= 0:
+        return [dict.fromkeys(KINDS) for _ in range(info.num_layers)]
     out = []
     for layer in range(info.num_layers):
         entry = None
-        if cfg.anchor_peak_mult > 0 and shard.owns(layer):
+        if shard.owns(layer):
             entry = {}
             for kind in KINDS:
                 stat = stat_kind(kind, pre)
                 mean, cov, _, _ = moments(stats, stat, layer)
                 entry[kind] = trace_peaks(traced(traces[layer], kind, stat), mean, cov, cfg.basis == "pca",
                                           traces[layer].sink_frames).tolist()
-        entry = shard.share(layer, entry) if cfg.anchor_peak_mult > 0 else None
-        out.append({kind: None if entry is None else torch.tensor(entry[kind], dtype=torch.float32) for kind in KINDS})
+        entry = shard.share(layer, entry)
+        out.append({kind: torch.tensor(entry[kind], dtype=torch.float32) for kind in KINDS})
     return out
 
 
