@@ -104,6 +104,7 @@ ABLATIONS = {
     "ours_peak1.5": {"anchor_peak_mult": 1.5},
     "ours_peak2": {"anchor_peak_mult": 2.0},  # the default since anchor_peak.md: equals ours
     "ours_peak3": {"anchor_peak_mult": 3.0},
+    "ours_sink_hold": {"sink_hold": True},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")

@@ -18,6 +18,10 @@ stored in one of three forms:
   sink count) in the sink code, its fields w + 2^(z-1) packed with the widths `sink_bits`; its
   states (quant/predictive.sink_states) start the chain like an anchor's.
 
+With `sink_hold` (format 1.4) a delta frame and an anchor also hold `{"holds"}`: one bit per token
+(1 = its uncoded components take the sink's values, quant/predictive.sink_hold), packed like the
+modes. A delta frame re-stored as an anchor keeps its holds.
+
 `frame_role` is the rule shared by the runtime and the memory model; `frame_nbytes` counts the
 bytes of each form from the spec alone.
 """
@@ -40,16 +44,18 @@ def frame_role(index: int, num_appended: int, kept: set[int] | list[int], recent
 
 
 def frame_nbytes(role: str, token_bits: int, anchor_token_bits: int, B: int, T: int, D: int,
-                 sink_token_bits: int = 0) -> int:
+                 sink_token_bits: int = 0, hold: bool = False) -> int:
     """Bytes of one head of one frame held in `role` (token_bits = sum of channel_bits, anchor
-    and sink likewise): delta = modes + codes, anchor = states, sink = its fields, recent = float16."""
+    and sink likewise): delta = modes + codes, anchor = states, sink = its fields, recent = float16;
+    with `hold` (sink_hold) delta and anchor frames add their hold bits."""
     if role == "recent":
         return 2 * B * T * D
     if role == "sink":
         return B * T * -(-sink_token_bits // 8)
+    holds = B * -(-T // 8) if hold else 0
     if role == "anchor":
-        return B * T * -(-anchor_token_bits // 8)
-    return B * -(-T // 8) + B * T * -(-token_bits // 8)
+        return B * T * -(-anchor_token_bits // 8) + holds
+    return B * -(-T // 8) + B * T * -(-token_bits // 8) + holds
 
 
 __all__ = ["frame_nbytes", "frame_role"]

@@ -13,6 +13,9 @@ defines their stored forms, in fixed buffers allocated once:
     sinks   uint8 [B, S, Cz, T]       with a sink code (format 1.3): the sink frames' codes (their
                                       main slots stay unused)
     recent  float16 [B, G, R, T, D]   the newest `recent_frames` frames, ring by frame % R
+    holds   uint8 [B, M, G, ceil(T/8)] with a sink hold (format 1.4): one bit per token and head (1 =
+                                      its uncoded components take the sink's), kept while the
+                                      frame is the anchor (its slot is reused only when it leaves)
 
 with M = sink_frames + window - recent_frames main slots: frame f < sink in slot f, later frames
 in slot sink + (f - sink) % (window - recent), which is exactly the slot of the frame evicted when
@@ -46,27 +49,11 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs_complex
+from calibrate.fast_blocks import IndexTensors, token_block
 from calibrate.fast_chain_code import ChainCode
 
 FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
-
-
-class IndexTensors:
-    """Index tensors of integer lists, made once per list: a step's slot lists repeat from step to
-    step, and a host-to-device tensor per list and step would be work on the hot path."""
-
-    def __init__(self, device: torch.device, capacity: int = 256):
-        self.device, self.capacity = device, capacity
-        self.made: dict[tuple, Tensor] = {}
-
-    def __call__(self, values: list[int]) -> Tensor:
-        key = tuple(values)
-        if key not in self.made:
-            if len(self.made) > self.capacity:
-                self.made.clear()
-            self.made[key] = torch.tensor(values, dtype=torch.long, device=self.device)
-        return self.made[key]
 
 
 class ChainStore:
@@ -75,9 +62,9 @@ class ChainStore:
 
     def __init__(self, tensors: dict[str, dict], pre_rotary: bool, temporal: bool, policy, window: int,
                  sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None,
-                 recall_slots: int = 0, keep_evicted: bool = False):
+                 recall_slots: int = 0, keep_evicted: bool = False, hold: bool = False):
         self.kinds = tuple(kind for kind in "kv" if kind in tensors)
-        self.code = code = ChainCode([tensors[kind] for kind in self.kinds], device)
+        self.code = code = ChainCode([tensors[kind] for kind in self.kinds], device, hold)
         self.H, self.G, self.D = code.H, code.G, code.D
         self.pre_rotary, self.temporal = pre_rotary and "k" in self.kinds, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
@@ -108,8 +95,11 @@ class ChainStore:
         self.anchor = torch.zeros(B, self.code.anchor_layout.nbytes, T, dtype=torch.uint8, device=dev)
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
         self.sinks = torch.zeros(B, self.S, self.code.sink_layout.nbytes if self.S else 0, T, dtype=torch.uint8, device=dev)
+        self.holds = torch.zeros(B, self.M, G, -(-T // 8) if self.code.hold else 0, dtype=torch.uint8, device=dev)
         S = self.recall_slots  # a memory plan's recall slots, frames in host form
         held = {"anchor": self.anchor[:, None]} if self.temporal else {"codes": self.codes, "modes": self.modes}
+        if self.code.hold:
+            held["holds"] = self.holds
         self.slots = {name: t.new_zeros(B, S, *t.shape[2:]) for name, t in held.items()}
 
     def slot(self, f: int) -> int:
@@ -255,7 +245,7 @@ class ChainStore:
             if commit:
                 x = torch.cat([token_block(kv[0], tokens) if kind == "k" else kv[1][:, :, tokens]
                                for kind in self.kinds], dim=1)  # K then V: [B, G, Tb, D]
-                v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post)
+                v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post, sink_w)
             if not decode:
                 continue
             kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
@@ -264,13 +254,16 @@ class ChainStore:
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
             if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
                 sink_w = self._sink_code(hist_sinks, tokens)
-            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None)
+            held = None  # the sink hold: (hold bits of the history's chain frames, the sink's part)
+            if self.code.hold and kept is not None and sink_w is not None:
+                held = self._holds(self.holds, self._index([self.slot(f) for f in hist_chain]), tokens), self.code.hold_part(sink_w)
+            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
         if commit:
             self.anchor_frame = anchor_post
 
-    def _commit(self, index, x_BGTD, tokens, states, chain_pre, e, prev, anchor_post):
+    def _commit(self, index, x_BGTD, tokens, states, chain_pre, e, prev, anchor_post, sink_w):
         """Code frame e for `tokens` (x: the new frame's tokens), store the new frame, re-anchor;
-        returns e's states [B, G, Tb, D]."""
+        returns e's states [B, G, Tb, D]. `sink_w`: the held sink frames' codes (the sink hold's source)."""
         v_e = None
         if e is not None:
             x_e = self.recent[:, :, e % self.R, tokens].float() if self.R else x_BGTD
@@ -281,7 +274,8 @@ class ChainStore:
                 v_prev = None
                 if prev is not None:
                     v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
-                v_e = self._store_delta(e, tokens, *self.code.encode(x_e, v_prev))
+                hold = self.code.encode_hold(x_e, None if sink_w is None else sink_w[:, 0]) if self.code.hold else None
+                v_e = self._store_delta(e, tokens, *self.code.encode(x_e, v_prev), hold)
         if self.R:
             self.recent[:, :, index % self.R, tokens] = x_BGTD.to(FP)
         if anchor_post is not None and anchor_post != self.anchor_frame:
@@ -292,24 +286,34 @@ class ChainStore:
             self.code.pack_anchor(v_a, self.anchor[..., tokens])
         return v_e
 
-    def _store_delta(self, e: int, tokens: slice, inter: Tensor, c: Tensor, v_e: Tensor) -> Tensor:
-        """Write frame e's modes and codes for `tokens` into its slot; returns its states."""
+    def _store_delta(self, e: int, tokens: slice, inter: Tensor, c: Tensor, v_e: Tensor, hold: Tensor | None) -> Tensor:
+        """Write frame e's modes, codes (and holds) for `tokens` into its slot; returns its states."""
         slot = self.slot(e)
         B, G, Tb, D = c.shape
         self.code.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
-        bits = inter if Tb % 8 == 0 else torch.nn.functional.pad(inter, (0, -Tb % 8))
-        byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
-        t0 = tokens.start // 8
-        self.modes[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
+        for bits, table in ((inter, self.modes), (hold, self.holds)):
+            if bits is None:
+                continue
+            bits = bits if Tb % 8 == 0 else torch.nn.functional.pad(bits, (0, -Tb % 8))
+            byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
+            t0 = tokens.start // 8
+            table[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
         return v_e
+
+    def _holds(self, table: Tensor, rows: Tensor, tokens: slice) -> Tensor:
+        """Hold bits [B, G, J, Tb] bool of rows `rows` of a [B, rows, G, ceil(T/8)] table."""
+        b = table[..., tokens.start // 8: -(-tokens.stop // 8)].index_select(1, rows)  # [B, J, G, Tb/8]
+        bits = (b.unsqueeze(-1) >> self.code.bit_shift_u8) & 1
+        return bits.flatten(-2)[..., : tokens.stop - tokens.start].transpose(1, 2).bool()
 
     # ---- a memory plan's host tier and recall slots ------------------------------------------------
     def _host_form(self, f: int) -> dict:
         """Frame f (leaving the window) self-contained: its anchor (the held one, or a buffer the step
         packs from f's states), or without `temporal` its intra codes and modes as stored."""
+        holds = {"holds": self.holds[:, self.slot(f)].clone()} if self.code.hold else {}
         if not self.temporal:
-            return {"codes": self.codes[:, self.slot(f)].clone(), "modes": self.modes[:, self.slot(f)].clone()}
-        return {"anchor": self.anchor.clone() if f == self.anchor_frame else torch.empty_like(self.anchor)}
+            return {"codes": self.codes[:, self.slot(f)].clone(), "modes": self.modes[:, self.slot(f)].clone(), **holds}
+        return {"anchor": self.anchor.clone() if f == self.anchor_frame else torch.empty_like(self.anchor), **holds}
 
     def take_evicted(self) -> tuple[int, dict] | None:
         """(frame, host form) of the frame the last step evicted, once."""
@@ -336,15 +340,23 @@ class ChainStore:
             else:  # intra frames: a scan without predecessors
                 modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
-            yield self._block(states, None, tokens, cos, sin)
+            held = None
+            if self.code.hold:
+                held = self._holds(self.slots["holds"], self._index(list(range(S))), tokens), \
+                    self.code.hold_part(self._sink_code(self.S, tokens))
+            yield self._block(states, None, tokens, cos, sin, None, held)
 
-    def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None):
+    def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None,
+               held: tuple[Tensor, Tensor] | None = None):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames (None
         for a kind this store does not hold); the first chain frames are sink frames in the sink
-        code when `sink_w` (their codes w [B, S, G, Tb, D]) is given, valued by it."""
+        code when `sink_w` (their codes w [B, S, G, Tb, D]) is given, valued by it; `held` = (hold
+        bits [B, G, J, Tb], the sink's part h [B, G, Tb, D]): the sink hold, x + h where set."""
         parts = []
         if states is not None:
             x = self.code.values(states)  # [B, G, J, Tb, D]
+            if held is not None:
+                x = torch.where(held[0].unsqueeze(-1), x + held[1].unsqueeze(2), x)
             if sink_w is not None:
                 x[:, :, : sink_w.shape[1]] = self.code.sink_values(sink_w)
             parts.append(x)
@@ -366,8 +378,9 @@ class ChainStore:
             return 0
         chain = self.chain(n)
         a = self.anchor_of(chain)
-        delta = self.codes[:, 0].numel() + self.modes[:, 0].numel()
-        total = sum(self.anchor.numel() if f == a else self.sinks[:, 0].numel() if f < self.S else delta for f in chain)
+        delta, holds = self.codes[:, 0].numel() + self.modes[:, 0].numel(), self.holds[:, 0].numel()
+        total = sum(self.sinks[:, 0].numel() if f < self.S else (self.anchor.numel() if f == a else delta) + holds
+                    for f in chain)
         slots = sum(t[:, : self.filled].numel() for t in self.slots.values())
         return total + slots + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
 
@@ -375,11 +388,4 @@ class ChainStore:
         if self.B is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent, self.sinks,
-                                                          *self.slots.values()))
-
-
-def token_block(x, tokens: slice) -> Tensor:
-    """Tokens of a frame given as a tensor [B, H, T, D] or as something with `block(tokens)`
-    (`fastcache.RotatedKeys`: post-rotary keys made a block at a time)."""
-    return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
-
+                                                          self.holds, *self.slots.values()))

@@ -15,6 +15,8 @@ frames (`fast_chain.ChainStore` holds them):
 - `encode_sink` / `sink_code_of` / `sink_states` / `sink_values`: the sink code (format 1.3) of a
   sink frame, its packed fields -> its code w, w -> the chain's states after it, and -> its values
   (every component);
+- `encode_hold` / `hold_part`: the sink hold (format 1.4): which tokens take the sink's uncoded
+  components, and those components' values per token;
 - `expand` / `compact`: coded components <-> all D components.
 
 Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head the
@@ -35,7 +37,7 @@ class ChainCode:
     """One layer's predictive tensors' parameters (`tensors`: their roles, K before V), stacked
     [G, ...], and the code's arithmetic."""
 
-    def __init__(self, tensors: list[dict], device):
+    def __init__(self, tensors: list[dict], device, hold: bool = False):
         cat = lambda role: torch.cat([t[role] for t in tensors]).to(device)
         self.H = tensors[0]["mean"].shape[0]
         self.G, self.D = len(tensors) * self.H, tensors[0]["mean"].shape[1]
@@ -50,6 +52,11 @@ class ChainCode:
             self.sink_unit, sink_bits = cat("sink_unit"), cat("sink_bits")
             self.sink_layout = RowLayout.concat(sink_bits.tolist(), device)
             self.sink_offset = predictive.field_offset(sink_bits)
+        self.hold = hold
+        if hold:
+            if not self.has_sink:
+                raise ValueError("a sink hold needs a sink code")
+            self.rotation_T = self.rotation.transpose(-1, -2).contiguous()
         self.offset = predictive.field_offset(anchor_bits)
         self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
                                                   self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
@@ -154,6 +161,18 @@ class ChainCode:
     def sink_values(self, w: Tensor) -> Tensor:
         """Sink codes w [B, S, G, Tb, D] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
         return predictive.sink_values(w, self.params).transpose(1, 2)
+
+    def encode_hold(self, x_BGTD: Tensor, sink_w: Tensor | None) -> Tensor:
+        """quant/predictive.sink_hold, every head at once: hold [B, G, T] bool (none without a held
+        sink: `sink_w`, the first sink frame's code [B, G, T, D], None)."""
+        if sink_w is None:
+            return torch.zeros(x_BGTD.shape[:-1], dtype=torch.bool, device=x_BGTD.device)
+        return predictive.sink_hold(x_BGTD, sink_w, self.params)
+
+    def hold_part(self, sink_w: Tensor) -> Tensor:
+        """The first sink frame's codes [B, S, G, Tb, D] -> h [B, G, Tb, D] (quant/predictive.sink_hold_part)."""
+        w = sink_w[:, 0].float()
+        return (self.params.sink_unit_D * w * (self.params.bits_D == 0)) @ self.rotation_T
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and

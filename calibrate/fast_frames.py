@@ -31,7 +31,7 @@ from torch import Tensor
 from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs_complex
 from calibrate.codec import span_of, span_pending, span_state_nbytes
 from calibrate.codes import KINDS
-from calibrate.fast_chain import IndexTensors, token_block
+from calibrate.fast_blocks import IndexTensors, token_block
 from calibrate.fast_pools import CLASSES, Pool, SpanStates, capacities, span_capacity
 from calibrate.memory import frame_class
 from calibrate.quant.headcodec import GroupCodec

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from calibrate.cache import SLOT_BASE, KVCache, Rope, attention_logits, attention_output, kept_frames
-from calibrate.fast_chain import ChainStore, token_block
+from calibrate.fast_blocks import token_block
+from calibrate.fast_chain import ChainStore
 from calibrate.memory import check_fitted_window
 from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe, validate
@@ -48,7 +49,7 @@ class FastPathError(ValueError):
 
 def fast_path_problem(recipe: Recipe) -> str | None:
     """Why `FastKVCache` cannot run this recipe (one line naming the kind), or None: predictive K
-    and V with different `temporal` or one with a sink code, a layer mixing a predictive and a per-frame kind under a memory
+    and V with different `temporal`, or one with a sink code or sink hold, a layer mixing a predictive and a per-frame kind under a memory
     plan or with a logit correction on its keys, the Jensen correction on a kind without a uniform
     step, a head_dim that is not a multiple of 8. No preset or fit writes these."""
     from calibrate import fast_pools
@@ -61,6 +62,8 @@ def fast_path_problem(recipe: Recipe) -> str | None:
                 return f"layer {i}: predictive K and V with different 'temporal'"
             if (pair.k.sink_token_bits is None) != (pair.v.sink_token_bits is None):
                 return f"layer {i}: predictive K and V, one with a sink code ('sink_token_bits') and one without"
+            if pair.k.sink_hold != pair.v.sink_hold:
+                return f"layer {i}: predictive K and V, one with a sink hold ('sink_hold') and one without"
             continue
         if any(predictive):
             mixes = f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
@@ -170,7 +173,7 @@ class FastKVCache(KVCache):
             if predictive:
                 chain = ChainStore({kind: recipe.layer_tensors(i, kind) for kind in predictive}, pair.k.rotary_coords > 0,
                                    recipe.spec(i, predictive[0]).temporal, self.policy, window, sink_frames, T,
-                                   self.device, token_block, **tiered)
+                                   self.device, token_block, **tiered, hold=recipe.spec(i, predictive[0]).sink_hold)
             if per_frame:
                 from calibrate.fast_frames import FrameStore
 

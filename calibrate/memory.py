@@ -84,7 +84,7 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
                 if spec.kind == "predictive":
                     total += predictive_head_bytes(spec.token_bits[h], spec.anchor_token_bits[h], spec.temporal,
                                                    kept, num_appended, pol.recent_frames, batch, T, D,
-                                                   *sink_code_of(spec, h, sink_frames))
+                                                   *sink_code_of(spec, h, sink_frames), spec.sink_hold)
                     continue
                 for f in kept:
                     total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
@@ -101,19 +101,19 @@ def sink_code_of(spec: TensorSpec, head: int, sink_frames: int) -> tuple[int, in
 
 def predictive_head_bytes(token_bits: int, anchor_token_bits: int, temporal: bool, kept: list[int], num_appended: int,
                           recent_frames: int, batch: int, T: int, D: int, sink_token_bits: int = 0,
-                          sink_coded: int = 0) -> int:
+                          sink_coded: int = 0, hold: bool = False) -> int:
     """Bytes of one head of a predictive tensor over the `kept` frames, each in its chain role
     (`chain.frame_role`): the per-head term of `predicted_cache_bytes`, which the fitter's
     mixed precision prices an upgrade of one head with."""
     kept_set = set(kept)
     return sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal, sink_coded),
-                                  token_bits, anchor_token_bits, batch, T, D, sink_token_bits) for f in kept)
+                                  token_bits, anchor_token_bits, batch, T, D, sink_token_bits, hold) for f in kept)
 
 
 def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int, D: int) -> int:
     """Bytes of one frame of one head of a predictive tensor held in chain `role` (chain.frame_role)."""
     return chain.frame_nbytes(role, spec.token_bits[head], spec.anchor_token_bits[head], batch, T, D,
-                              spec.sink_token_bits[head] if spec.sink_token_bits is not None else 0)
+                              spec.sink_token_bits[head] if spec.sink_token_bits is not None else 0, spec.sink_hold)
 
 
 def held_bits(policy: TokenPolicy, spec: TensorSpec, head: int, index: int, num_appended: int) -> int:

@@ -34,8 +34,8 @@ from calibrate.scheme_spec import (LayerSpec, RecipeError, Scheme, TensorSpec, T
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.3"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random"; 1.2: kind nvfp4;
-# 1.3: the predictive sink code (field sink_token_bits, roles sink_unit and sink_bits) (FORMAT.md)
+FORMAT_VERSION = "1.4"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random"; 1.2: kind nvfp4;
+# 1.3: the predictive sink code (field sink_token_bits, roles sink_unit and sink_bits); 1.4: field sink_hold (FORMAT.md)
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 INT_ROLES = ("outlier_channels", "sink_bits") + predictive_roles.INT_ROLES  # int64; every other role is float32

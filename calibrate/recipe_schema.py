@@ -137,6 +137,7 @@ SPEC_FIELDS = {
     "token_bits": Field("int list or null", _at_least(0)),
     "anchor_token_bits": Field("int list or null", _at_least(0)),
     "sink_token_bits": Field("int list or null", _at_least(0)),
+    "sink_hold": Field("bool"),
     "temporal": Field("bool"),
     "prq_stages": Field("int", _at_least(0)),
     "prq_centroids": Field("int", _between(0, 256)),

@@ -180,7 +180,7 @@ def predictive_states(stored, tensors, layer, kind, head, v_prev=None):
     """Integer states [B, T, D] of one head of one held frame of a predictive tensor.
 
     `stored` is the frame's stored form: {"anchor"}, {"sink"} or {"modes", "codes"} (uint8 arrays,
-    chain.py); `v_prev` the previous frame's states (None if it is not held: then every token is intra).
+    chain.py; with the sink hold also {"holds"}, which states ignore); `v_prev` the previous frame's states (None if it is not held: then every token is intra).
     """
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
     bits, anchor = t("channel_bits"), t("anchor_bits")
@@ -237,6 +237,33 @@ def predictive_sink(x, tensors, layer, kind, head):
     return {"sink": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
 
 
+def predictive_hold(x, sink_stored, tensors, layer, kind, head):
+    """The sink hold's bits (format 1.4), hold [B, T] bool of one frame of one head: sum over the
+    uncoded components d (channel_bits 0) of g_d (g_d - 2 u_d) < 0, g = z_unit * w of the sink frame's
+    token (`sink_stored`, its stored form {"sink"}), u = (x - mean) @ R; x as for `predictive_encode`.
+    float32; the product and the sum are not pinned (numpy's order here): a near-tie may differ."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    mean, R, z_unit = (np.asarray(t(r), dtype=F32) for r in ("mean", "rotation", "sink_unit"))
+    w = predictive_sink_code(sink_stored, tensors, layer, kind, head)
+    g = z_unit * w.astype(F32) * (t("channel_bits") == 0).astype(F32)
+    u = (np.asarray(x, dtype=F32) - mean) @ R
+    return (g * (g - F32(2) * u)).sum(-1, dtype=F32) < 0
+
+
+def predictive_held_values(x_hat, stored, sink_stored, tensors, layer, kind, head):
+    """A delta or anchor frame's values with the sink hold (format 1.4): x̂ + h on the tokens whose
+    hold bit is set, h = (z_unit * w * [channel_bits = 0]) @ R^T of the sink frame's same token
+    (`sink_stored`); x̂ from `predictive_values`. Without holds in `stored`, x̂ itself."""
+    if "holds" not in stored:
+        return x_hat
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    w = predictive_sink_code(sink_stored, tensors, layer, kind, head)
+    uncoded = (t("channel_bits") == 0).astype(F32)
+    h = (np.asarray(t("sink_unit"), dtype=F32) * w.astype(F32) * uncoded) @ np.asarray(t("rotation"), dtype=F32).T
+    hold = unpack_fields(stored["holds"], [1] * np.shape(x_hat)[-2]).astype(bool)
+    return np.where(hold[..., None], x_hat + h, x_hat)
+
+
 def predictive_values_bound(v, tensors, layer, kind, head):
     """How far two runtimes' x̂ may lie apart, per element (FORMAT.md): 4 (D + 2) 2^-24 (sum_d |unit_d
     v_d R[j, d]| + |mean_j|), in float64. Absolute: near 0 it is many ulps of x̂."""
@@ -288,17 +315,21 @@ def predictive_encode(x, tensors, layer, kind, head, v_prev=None):
     return inter, np.where(inter[..., None], c_p, c_i), np.where(inter[..., None], v_p, v_i)
 
 
-def predictive_store(inter, codes, tensors, layer, kind, head):
-    """A delta frame's stored form {"modes", "codes"} (uint8) from `predictive_encode`'s modes and codes."""
+def predictive_store(inter, codes, tensors, layer, kind, head, hold=None):
+    """A delta frame's stored form {"modes", "codes"} (uint8) from `predictive_encode`'s modes and
+    codes, with {"holds"} packed like the modes when `hold` (`predictive_hold`) is given."""
     bits = np.asarray(tensors[f"layers.{layer}.{kind}.channel_bits"][head])
-    return {"modes": pack_fields(np.asarray(inter, dtype=np.int64), [1] * np.shape(inter)[-1]),
-            "codes": pack_fields(codes, bits)}
+    one_bit = [1] * np.shape(inter)[-1]
+    return {"modes": pack_fields(np.asarray(inter, dtype=np.int64), one_bit), "codes": pack_fields(codes, bits),
+            **({"holds": pack_fields(np.asarray(hold, dtype=np.int64), one_bit)} if hold is not None else {})}
 
 
-def predictive_anchor(v, tensors, layer, kind, head):
-    """An anchor's stored form {"anchor"}: fields v + 2^(a - 1) of widths `anchor_bits` (offset binary)."""
+def predictive_anchor(v, tensors, layer, kind, head, holds=None):
+    """An anchor's stored form {"anchor"}: fields v + 2^(a - 1) of widths `anchor_bits` (offset
+    binary), and the re-stored frame's packed `holds` as they were (sink hold)."""
     a = np.asarray(tensors[f"layers.{layer}.{kind}.anchor_bits"][head])
-    return {"anchor": pack_fields(np.asarray(v, dtype=np.int64) + np.where(a > 0, 1 << np.maximum(a - 1, 0), 0), a)}
+    out = {"anchor": pack_fields(np.asarray(v, dtype=np.int64) + np.where(a > 0, 1 << np.maximum(a - 1, 0), 0), a)}
+    return {**out, "holds": holds} if holds is not None else out
 
 
 # ---- format 1.1 -----------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class ReferenceCache(KVCache):
         self._params: dict[tuple[int, str, int, int], HeadParams] = {}
         self._chains: dict[tuple[int, str], list[ChainCodec]] = {
             (i, kind): [ChainCodec(predictive_roles.head_params(self._recipe_on_device.layer_tensors(i, kind), h),
-                                   self.spec(i, kind).temporal) for h in range(self.num_heads)]
+                                   self.spec(i, kind).temporal, self.spec(i, kind).sink_hold) for h in range(self.num_heads)]
             for i in range(self.num_layers) for kind in KINDS if self.spec(i, kind).kind == "predictive"}
         self._rope_at = None  # the model's Rope.at, for keys stored before the rotation
         # chain states `append` decoded, handed to the `read` of the same step (never kept longer)
@@ -157,9 +157,17 @@ class ReferenceCache(KVCache):
             return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index), index)
         prev = states.get(index - 1)
         sink = index < self.sink_frames  # held in the sink code, if the tensor has one
-        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h], sink) for h, c in enumerate(chain)]
+        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h], sink, self._sink_w(layer, kind, h))
+                 for h, c in enumerate(chain)]
         states[index] = [v for _, v in coded]
         return [stored for stored, _ in coded]
+
+    def _sink_w(self, layer: int, kind: str, head: int) -> Tensor | None:
+        """The sink code w of frame 0 of one head, if it is held in it (the sink hold's source)."""
+        record = self._frames[layer].get(0)
+        if record is None or "sink" not in record[kind][head]:
+            return None
+        return self._chains[(layer, kind)][head].sink_code(record[kind][head])
 
     def _chain_states(self, layer: int, kind: str) -> States:
         """Integer states of every held frame of a predictive tensor that is in the chain, oldest
@@ -221,7 +229,8 @@ class ReferenceCache(KVCache):
             for f in sorted(held):
                 record = held[f]
                 if f in keep and f > 0 and f - 1 not in keep and record["bits"] != "recent" and "anchor" not in record[kind][0]:
-                    record[kind] = [c.anchor(v) for c, v in zip(self._chains[(layer, kind)], kind_states[f])]
+                    record[kind] = [c.anchor(v, s.get("holds"))
+                                    for c, v, s in zip(self._chains[(layer, kind)], kind_states[f], record[kind])]
         for old in [f for f in held if f not in keep]:
             if self.tiers is not None:  # to the host tier, self-contained
                 self.tiers.evicted(layer, old, self._host_form(layer, held[old], {k: s.get(old) for k, s in states.items()}))
@@ -241,7 +250,7 @@ class ReferenceCache(KVCache):
         for kind in KINDS:
             chains = self._chains.get((layer, kind))
             if chains is not None and self.spec(layer, kind).temporal:
-                host[kind] = [stored if "anchor" in stored else c.anchor(v)
+                host[kind] = [stored if "anchor" in stored else c.anchor(v, stored.get("holds"))
                               for c, stored, v in zip(chains, record[kind], states[kind])]
             else:
                 assert record["bits"] != "recent", "check_plan keeps the recent window inside the device window"
@@ -290,7 +299,8 @@ class ReferenceCache(KVCache):
         record = self._frames[layer][index]
         if index in states:
             chain = self._chains[(layer, kind)]
-            return torch.stack([c.values(v, stored) for c, v, stored in zip(chain, states[index], record[kind])], dim=1)
+            return torch.stack([c.values(v, stored, self._sink_w(layer, kind, h))
+                                for h, (c, v, stored) in enumerate(zip(chain, states[index], record[kind]))], dim=1)
         return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index), index)
 
     def logit_bias(self, layer: int, q_BHTD: Tensor, frames: list[int] | None = None) -> Tensor | None:
@@ -350,9 +360,10 @@ class ReferenceCache(KVCache):
 class ChainCodec:
     """One head's predictive code and the packing of its stored forms (layouts computed once)."""
 
-    def __init__(self, params: P.PredictiveParams, temporal: bool = True):
+    def __init__(self, params: P.PredictiveParams, temporal: bool = True, hold: bool = False):
         self.params = params
         self.temporal = temporal  # False: every token intra (the spec's `temporal`)
+        self.hold = hold  # the spec's `sink_hold`: delta frames and anchors carry hold bits
         device = params.unit_D.device
         self._codes = FieldLayout(params.bits_D, device)
         self._anchors = FieldLayout(params.anchor_bits_D, device)
@@ -364,23 +375,30 @@ class ChainCodec:
             self._modes[T] = FieldLayout([1] * T, self.params.unit_D.device)
         return self._modes[T]
 
-    def encode(self, x_BTD: Tensor, v_prev: Tensor | None, sink: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+    def encode(self, x_BTD: Tensor, v_prev: Tensor | None, sink: bool = False,
+               sink_w: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
         """(stored delta frame, its states) of one frame; `v_prev` None = first frame of a chain; a
-        `sink` frame of a code with sink roles: (its sink code, the states it starts the chain with)."""
+        `sink` frame of a code with sink roles: (its sink code, the states it starts the chain with);
+        `sink_w`: the held sink frame's code (the sink hold's source; None: no hold)."""
         if sink and self._sinks is not None:
             w = P.sink_code(x_BTD, self.params)
             return {"sink": self._sinks.pack(P.sink_fields(w, self.params))}, P.sink_states(w, self.params)
         inter, codes, v = P.encode(x_BTD, self.params, v_prev if self.temporal else None)
         stored = {"modes": self._mode_layout(inter.shape[-1]).pack(inter.to(torch.int64)), "codes": self._codes.pack(codes)}
+        if self.hold:
+            hold = P.sink_hold(x_BTD, sink_w, self.params) if sink_w is not None else torch.zeros_like(inter)
+            stored["holds"] = self._mode_layout(inter.shape[-1]).pack(hold.to(torch.int64))
         return stored, v
 
-    def anchor(self, v_BTD: Tensor) -> dict[str, Tensor]:
-        return {"anchor": self._anchors.pack(P.anchor_fields(v_BTD, self.params))}
+    def anchor(self, v_BTD: Tensor, holds: Tensor | None = None) -> dict[str, Tensor]:
+        """An anchor of states v, with the hold bits of the frame it re-stores (sink hold)."""
+        return {"anchor": self._anchors.pack(P.anchor_fields(v_BTD, self.params)),
+                **({"holds": holds} if holds is not None else {})}
 
     def states(self, stored: dict[str, Tensor], v_prev: Tensor | None) -> Tensor:
         """The integer states of a delta, anchor or sink frame."""
         if "sink" in stored:
-            return P.sink_states(self._sink_code(stored), self.params)
+            return P.sink_states(self.sink_code(stored), self.params)
         if "anchor" in stored:
             return P.from_anchor_fields(self._anchors.unpack(stored["anchor"]), self.params)
         inter = self._mode_layout(stored["codes"].shape[-2]).unpack(stored["modes"]).bool()
@@ -406,11 +424,16 @@ class ChainCodec:
             out.append(P.apply_codes(*unpacked[i], prev, self.params))
         return out
 
-    def _sink_code(self, stored: dict[str, Tensor]) -> Tensor:
+    def sink_code(self, stored: dict[str, Tensor]) -> Tensor:
         return P.from_sink_fields(self._sinks.unpack(stored["sink"]), self.params)
 
-    def values(self, v_BTD: Tensor, stored: dict[str, Tensor] | None = None) -> Tensor:
-        """A frame's values from its states, or a sink frame's from its sink code."""
+    def values(self, v_BTD: Tensor, stored: dict[str, Tensor] | None = None, sink_w: Tensor | None = None) -> Tensor:
+        """A frame's values from its states, or a sink frame's from its sink code; with hold bits,
+        plus the sink's uncoded part (`sink_w`: the sink frame's code) where set."""
         if stored is not None and "sink" in stored:
-            return P.sink_values(self._sink_code(stored), self.params)
-        return P.values(v_BTD, self.params)
+            return P.sink_values(self.sink_code(stored), self.params)
+        x = P.values(v_BTD, self.params)
+        if stored is not None and "holds" in stored and sink_w is not None:
+            hold = self._mode_layout(v_BTD.shape[-2]).unpack(stored["holds"]).bool()
+            x = P.held_values(x, hold, P.sink_hold_part(sink_w, self.params))
+        return x

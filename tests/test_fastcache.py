@@ -265,12 +265,13 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
 @pytest.mark.parametrize("temporal", [True, False])
 @pytest.mark.parametrize("scan", ["matmul", "running_sum"])
-@pytest.mark.parametrize("sink_bits", [0.0, 6.0])
-def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, monkeypatch):
-    """With and without a sink code (format 1.3: the sink frames in their own code)."""
+@pytest.mark.parametrize("sink_bits,hold", [(0.0, False), (6.0, False), (6.0, True)])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, hold, monkeypatch):
+    """With and without a sink code (format 1.3: the sink frames in their own code), and with the
+    sink hold (format 1.4: hold bits, compared bitwise below)."""
     if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
         monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
-    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits)
+    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits, hold=hold)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
     assert_chains_like_the_reference(recipe, "kv", window, sink, frames=30, seed=3)

@@ -154,6 +154,35 @@ def test_intra_only_ablation_is_frame_independent():
         assert torch.equal(seq[:, f], P.values(v, p))
 
 
+def test_the_sink_hold_never_codes_a_token_worse_and_a_still_camera_keeps_the_sinks_uncoded_part():
+    """The hold is set exactly where the sink's uncoded components are nearer the token's than the
+    mean (so it never adds error, in a random rotation too), and a token equal to the sink's takes
+    its uncoded components exactly."""
+    torch.manual_seed(3)
+    D = 6
+    R = torch.linalg.qr(torch.randn(D, D))[0]
+    p = P.PredictiveParams(torch.randn(D), R, torch.full((D,), 0.1), torch.tensor([2, 2, 1, 0, 0, 0]),
+                           torch.full((D,), 3), torch.full((D,), 1), torch.tensor([6, 6, 5, 0, 0, 0]),
+                           torch.full((D,), 0.01), torch.full((D,), 12))
+    sink_x = torch.randn(2, 50, D)
+    w = P.sink_code(sink_x, p)
+    x = sink_x + torch.randn(2, 50, D) * torch.linspace(0.01, 2.0, 50)[:, None]  # near the sink, then far
+    _, _, v = P.encode(x, p, None)
+    plain = P.values(v, p)
+    hold = P.sink_hold(x, w, p)
+    held = P.held_values(plain, hold, P.sink_hold_part(w, p))
+    err_plain, err_held = (plain - x).pow(2).sum(-1), (held - x).pow(2).sum(-1)
+    assert (err_held <= err_plain + 1e-5).all()
+    assert hold[:, :5].all() and not hold[:, -5:].all()  # near the sink: held; far: not always
+    uncoded = P.to_units(x, p)[..., 3:] * 0.1  # u of the uncoded components
+    better = ((uncoded - 0.01 * w[..., 3:].float()).pow(2).sum(-1) < uncoded.pow(2).sum(-1))
+    assert torch.equal(hold, better)
+    _, _, v0 = P.encode(sink_x, p, None)  # a still camera: the frame is the sink itself
+    same = P.held_values(P.values(v0, p), P.sink_hold(sink_x, w, p), P.sink_hold_part(w, p))
+    u_same = (same - p.mean_D) @ R
+    torch.testing.assert_close(u_same[..., 3:], 0.01 * w[..., 3:].float(), atol=1e-5, rtol=0)
+
+
 # ---- fitting (fit/predictive.py) ----------------------------------------------------------------
 from calibrate.fit import predictive as FP  # noqa: E402
 

@@ -222,14 +222,15 @@ def test_logit_correction_matches_the_runtimes():
                                logit_inflation(q, var)[:, 0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sink_bits", [0.0, 6.0])
-def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_bits):
+@pytest.mark.parametrize("sink_bits,hold", [(0.0, False), (6.0, False), (6.0, True)])
+def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_bits, hold):
     """Every held frame of a predictive cache (deltas, anchors, the sink code) decodes to the
-    runtime's states; the reader's sink code is the runtime's, byte for byte."""
+    runtime's states; the reader's sink code is the runtime's, byte for byte; with the sink hold
+    (format 1.4) its hold bits are the runtime's and its values the runtime's within the bound."""
     from reference_runtime import ReferenceCache
     from test_runtime_predictive import H, L, predictive_recipe, sequence
 
-    recipe = predictive_recipe(recent=1, sink_bits=sink_bits)
+    recipe = predictive_recipe(recent=1, sink_bits=sink_bits, hold=hold)
     path = tmp_path / "pred.safetensors"
     save_recipe(recipe, path)
     meta, tensors = reader.read_recipe(path)
@@ -239,6 +240,7 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_b
     for f in range(30):
         for layer in range(L):
             cache.append(layer, ks[f], vs[f], ropes[f])
+    held_any = False
     for layer in range(L):
         for kind in "kv":
             states = cache._chain_states(layer, kind)
@@ -256,11 +258,24 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_b
                         theirs = _np(cache._load_kind(layer, kind, g, states)[:, h]).astype(np.float64)
                         assert np.abs(mine - theirs).max() <= 1e-5 * max(np.abs(theirs).max(), 1.0)
                     else:
-                        mine = reader.predictive_values(v, tensors, layer, kind, h).astype(np.float64)
+                        bound = reader.predictive_values_bound(v, tensors, layer, kind, h)
+                        mine = reader.predictive_values(v, tensors, layer, kind, h)
                         theirs = _np(cache._chains[(layer, kind)][h].values(states[g][h])).astype(np.float64)
-                        assert (np.abs(mine - theirs) <= reader.predictive_values_bound(v, tensors, layer, kind, h)).all()
+                        assert (np.abs(mine.astype(np.float64) - theirs) <= bound).all()
+                        assert ("holds" in stored) == hold
+                        if hold:  # x̂ + h where held: the runtime's values within the bound (and h's rounding)
+                            sink = {k: _np(t) for k, t in cache._frames[layer][0][kind][h].items()}
+                            mine = reader.predictive_held_values(mine, stored, sink, tensors, layer, kind, h)
+                            theirs = _np(cache._load_kind(layer, kind, g, states)[:, h]).astype(np.float64)
+                            assert np.abs(mine - theirs).max() <= bound.max() + 1e-6 * max(np.abs(theirs).max(), 1.0)
+                            held_any |= bool(np.unpackbits(stored["holds"]).any())
+                            x = (ks if kind == "k" else vs)[g][:, h].half().float().numpy()  # coded from its recent copy
+                            hold_bits = reader.predictive_hold(x, sink, tensors, layer, kind, h)
+                            packed = reader.pack_fields(hold_bits.astype(np.int64), [1] * hold_bits.shape[-1])
+                            assert np.array_equal(packed, stored["holds"]), (layer, kind, h, g)
                     prev_frame, prev = g, v
     assert ("sink" in cache._frames[0][0]["k"][0]) == bool(sink_bits)
+    assert held_any == hold  # the hold is exercised
 
 
 def test_a_pre_rotary_keys_recent_copy_is_fp16_of_the_keys_before_the_rotation(tmp_path):

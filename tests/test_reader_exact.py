@@ -59,7 +59,8 @@ def bits16(a) -> list[int]:
 def test_every_golden_table_is_present():
     for heading, n in (("Uniform levels", 5), ("Fixed-order sums", 2), ("Clip rounding", 1), ("Constant groups", 6),
                        ("Square roots", 2), ("Sparse ties", 2), ("Re-cut centres", 6), ("16-bit heads", 2),
-                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1), ("NVFP4 ties", 10)):
+                       ("PRQ k-means", 5), ("Predictive modes", 4), ("Window of one frame", 1), ("NVFP4 ties", 10),
+                       ("Sink code", 3), ("Sink hold", 3)):
         assert len(golden(heading)) == n, heading
 
 
@@ -505,6 +506,47 @@ def test_golden_sink_code(row):
     assert mine["sink"].flatten().tolist() == packed
     assert reader.predictive_states(mine, tensors, 0, "v", 0).flatten().tolist() == states
     assert reader.predictive_sink_values(mine, tensors, 0, "v", 0).flatten().tolist() == decoded
+
+
+@pytest.mark.parametrize("row", golden("Sink hold"), ids=lambda r: r[0])
+def test_golden_sink_hold(row):
+    """The sink hold (format 1.4): the sum, the hold bit and its byte, the held values, in the
+    reference math, both runtimes' codecs and the reader."""
+    from calibrate.fast_chain_code import ChainCode
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import predictive as P
+    from reference_runtime import ChainCodec
+
+    roles = _golden_predictive_roles() | {"channel_bits": torch.tensor([[2, 0]]), "anchor_bits": torch.tensor([[3, 0]]),
+                                          "sink_unit": torch.tensor([[0.125, 0.125]]), "sink_bits": torch.tensor([[5, 4]])}
+    p = head_params(roles, 0)
+    x, x_s = _floats(row[0]), _floats("0.8 -0.3")
+    hold, packed, decoded = row[2] == "1", list(bytes.fromhex(row[3])), [float(v) for v in row[4].split()]
+    w = P.sink_code(x_s, p)
+    g = p.sink_unit_D * w.float() * (p.bits_D == 0)
+    assert (g * (g - 2 * ((x - p.mean_D) @ p.rotation_DD))).sum().item() == float(row[1])
+    assert P.sink_hold(x, w, p).item() == hold
+    _, codes, v = P.encode(x, p, None)
+    assert P.held_values(P.values(v, p), P.sink_hold(x, w, p), P.sink_hold_part(w, p)).flatten().tolist() == decoded
+    oracle = ChainCodec(p, hold=True)  # the tests' oracle runtime
+    sink, _ = oracle.encode(x_s, None, sink=True)
+    stored, v = oracle.encode(x, None, sink_w=oracle.sink_code(sink))
+    assert stored["holds"].flatten().tolist() == packed
+    assert oracle.values(v, stored, oracle.sink_code(sink)).flatten().tolist() == decoded
+    code = ChainCode([roles, roles], "cpu", hold=True)  # the fast runtime's, K and V as two heads
+    two = lambda t: t[:, None].expand(1, 2, *t.shape[1:])
+    assert code.encode_hold(two(x), two(w)).flatten().tolist() == [hold, hold]
+    h = code.hold_part(two(w)[:, None])  # [B, G, T, D]
+    held = torch.where(torch.tensor(hold), two(P.values(v, p)) + h, two(P.values(v, p)))
+    assert held.flatten().tolist() == decoded + decoded
+    tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}
+    sink_np = reader.predictive_sink(x_s.numpy(), tensors, 0, "v", 0)
+    assert reader.predictive_hold(x.numpy(), sink_np, tensors, 0, "v", 0).flatten().tolist() == [hold]
+    inter, codes, v = reader.predictive_encode(x.numpy(), tensors, 0, "v", 0)
+    mine = reader.predictive_store(inter, codes, tensors, 0, "v", 0, reader.predictive_hold(x.numpy(), sink_np, tensors, 0, "v", 0))
+    assert mine["holds"].flatten().tolist() == packed
+    x_hat = reader.predictive_values(reader.predictive_states(mine, tensors, 0, "v", 0), tensors, 0, "v", 0)
+    assert reader.predictive_held_values(x_hat, mine, sink_np, tensors, 0, "v", 0).flatten().tolist() == decoded
 
 
 def _golden_predictive_recipe() -> Recipe:

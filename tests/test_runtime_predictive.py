@@ -40,7 +40,9 @@ def sequence(num_frames=40, B=2, seed=0):
     return ks, vs, ropes
 
 
-def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_bits=0.0):
+def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_bits=0.0, hold=False):
+    """A predictive recipe fitted to `sequence`-like data; `sink_bits` > 0: with a sink code, and
+    `hold`: with the sink hold (format 1.4)."""
     ks, vs, _ = sequence(60, seed=seed + 100)
     tensors, layers = {}, []
     for i in range(L):
@@ -53,7 +55,8 @@ def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_b
                                      rotary_coords=2 if (kind == "k" and pre_rotary) else 0,
                                      token_bits=roles["channel_bits"].sum(-1).tolist(),
                                      anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
-                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if sink_bits else None)
+                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if sink_bits else None,
+                                     sink_hold=hold)
         layers.append(LayerSpec(**specs))
     info = ModelInfo("toy", L, H, D, T, "f" * 16)
     return Recipe(info, Scheme(name, layers, TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=recent)), tensors)
@@ -155,6 +158,26 @@ def test_a_sink_code_round_trips_and_its_bad_roles_are_named(tmp_path):
         with pytest.raises(RecipeError, match=says):
             save_recipe(bad, tmp_path / "bad.safetensors")
         assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_a_sink_hold_round_trips_and_needs_a_sink_code(tmp_path):
+    """Format 1.4: `sink_hold` is written when set (left out when false), read back, and refused
+    without a sink code; a layer with it on one tensor only has no fast path."""
+    from calibrate.fastcache import fast_path_problem
+
+    recipe = predictive_recipe(sink_bits=6.0, hold=True)
+    save_recipe(recipe, tmp_path / "r.safetensors")
+    again = load_recipe(tmp_path / "r.safetensors")
+    assert again.spec(0, "k").sink_hold
+    assert json.loads(again.scheme.to_json())["layers"][0]["v"]["sink_hold"] is True
+    assert "sink_hold" not in json.loads(predictive_recipe(sink_bits=6.0).scheme.to_json())["layers"][0]["v"]
+    bad = predictive_recipe(hold=True)  # no sink code
+    with pytest.raises(RecipeError, match="sink_hold: holds the sink code's values, so it needs sink_token_bits"):
+        save_recipe(bad, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+    one = predictive_recipe(sink_bits=6.0, hold=True)
+    one.scheme.layers[1].v.sink_hold = False
+    assert fast_path_problem(one) == "layer 1: predictive K and V, one with a sink hold ('sink_hold') and one without"
 
 
 def test_pre_rotary_recipe_needs_rotary_coordinates():

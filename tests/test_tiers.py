@@ -49,20 +49,22 @@ def frames(poses_NB3, seed=0):
     return out
 
 
-def predictive_recipe(pre_rotary=True, temporal=True):
-    """A predictive recipe fitted to `frames`-like data (2 layers, 2 heads)."""
+def predictive_recipe(pre_rotary=True, temporal=True, hold=False):
+    """A predictive recipe fitted to `frames`-like data (2 layers, 2 heads); `hold`: with a sink code
+    and the sink hold (format 1.4)."""
     data = frames(torch.zeros(60, 2, 3), seed=7)
     tensors, layers = {}, []
     for i in range(L):
         specs = {}
         for j, kind in enumerate(("k", "v")):
             x = torch.stack([f[j] for f in data], dim=2)  # B H F T D
-            roles = predictive_roles(x)
+            roles = predictive_roles(x, sink_bits=6.0 if hold else 0.0)
             tensors.update({f"layers.{i}.{kind}.{r}": t for r, t in roles.items()})
             specs[kind] = TensorSpec(bits=2, kind="predictive", rotation="learned", temporal=temporal,
                                      rotary_coords=3 if (kind == "k" and pre_rotary) else 0,
                                      token_bits=roles["channel_bits"].sum(-1).tolist(),
-                                     anchor_token_bits=roles["anchor_bits"].sum(-1).tolist())
+                                     anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
+                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if hold else None, sink_hold=hold)
         layers.append(LayerSpec(**specs))
     return Recipe(INFO, Scheme("toy-pred", layers, TokenPolicy(sink_frames=0)), tensors)
 
@@ -209,6 +211,7 @@ def test_evicted_frames_keep_their_codes_bit_exact(make):
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("make,reuse", [(lambda: predictive_recipe(), "resident"),
                                         (lambda: predictive_recipe(pre_rotary=False), "none"),
+                                        (lambda: predictive_recipe(hold=True), "resident"),
                                         (lambda: per_frame_recipe(2), "resident"),
                                         (lambda: per_frame_recipe(16), "none")])
 def test_measured_device_and_host_bytes_equal_predicted(make, reuse, runtime):
@@ -299,7 +302,8 @@ def host_states(cache, layer: int, frame: int) -> dict:
 
 
 @pytest.mark.parametrize("make", [lambda: predictive_recipe(), lambda: predictive_recipe(pre_rotary=False),
-                                  lambda: predictive_recipe(temporal=False), lambda: per_frame_recipe(2),
+                                  lambda: predictive_recipe(temporal=False), lambda: predictive_recipe(hold=True),
+                                  lambda: predictive_recipe(temporal=False, hold=True), lambda: per_frame_recipe(2),
                                   lambda: per_frame_recipe(16)])
 @pytest.mark.parametrize("reuse", ["resident", "none"])
 def test_the_fast_runtime_runs_a_plan_as_the_reference(make, reuse):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from calibrate import predictive_roles
 from calibrate.codes.base import Kind
 
-FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits", "sink_token_bits", "temporal")
+FIELDS = ("bits", "rotation", "rotary_coords", "token_bits", "anchor_token_bits", "sink_token_bits", "sink_hold", "temporal")
 
 
 def check(s, where: str) -> str | None:
@@ -18,6 +18,8 @@ def check(s, where: str) -> str | None:
                 "belong to per-frame codes)")
     if s.rotation == "none" or s.token_bits is None or s.anchor_token_bits is None:
         return f"{where}: a predictive spec needs a rotation, token_bits and anchor_token_bits"
+    if s.sink_hold and s.sink_token_bits is None:
+        return f"{where}.sink_hold: holds the sink code's values, so it needs sink_token_bits"
     return None
 
 

@@ -94,7 +94,7 @@ class TensorFit:
                           token_bits=roles["channel_bits"].sum(-1).tolist(),
                           anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
                           sink_token_bits=roles["sink_bits"].sum(-1).tolist() if "sink_bits" in roles else None,
-                          temporal=cfg.temporal)
+                          sink_hold=cfg.sink_hold and "sink_bits" in roles, temporal=cfg.temporal)
         return spec, roles
 
 

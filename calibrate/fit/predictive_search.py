@@ -36,7 +36,6 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
 from __future__ import annotations
 
 import logging
-
 from dataclasses import replace
 from itertools import product
 
@@ -330,7 +329,7 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
     def head_bytes(p) -> int:
         sink = (int(p.sink_bits_D.sum()), sink_frames) if p.has_sink else (0, 0)
         return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1,
-                                     T, D, *sink)
+                                     T, D, *sink, cfg.sink_hold and p.has_sink)
 
     def ups(layer: int) -> dict[str, list[HeadCode]]:
         return {kind: [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fits[layer][kind].heads]

@@ -27,6 +27,12 @@ camera), and K/V of one head live in a few principal directions. This code explo
    z_unit_i), -Z_i, Z_i), Z_i = 2^(z_i - 1) - 1 for its own widths z_i (0..16), decoded as
    (z_unit * w) @ R^T + mean. The chain continues from it: its states are v_i = clamp(rne(z_unit_i
    w_i / unit_i), -V_i, V_i) on coded components (0 elsewhere), so frame 1 predicts from the sink.
+6. **Sink hold** (optional, with a sink code). A component with b_i = 0 decodes to the mean in
+   every later frame, the same error in every frame of a still camera. A code with `sink_hold`
+   stores one more bit per token, *hold*: the token's uncoded components take the sink frame's
+   value at the same token, h = (z_unit * w * [b = 0]) @ R^T added to its reconstruction. The
+   encoder sets it where that is nearer: sum over uncoded i of g_i (g_i - 2 u_i) < 0, g = z_unit * w
+   of the sink's token, u = (x - mean) @ R (ties: no hold). States, and so the chain, are unchanged.
 
 Arithmetic (recipes/FORMAT.md states it as the normative spec): float32; tau = u / unit with true
 division; codes c = clamp(rne((t / s + n) / 2), lo, hi) with t = tau (intra) or tau - v' (inter),
@@ -184,6 +190,25 @@ def sink_states(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     V = p.limit_D.float()
     v = torch.round((p.sink_unit_D * w_BTD.float()) / p.unit_D)
     return torch.minimum(torch.maximum(v, -V), V).to(torch.int64)
+
+
+def sink_hold_part(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """h = (z_unit * w * [b = 0]) @ R^T: the sink's uncoded components as values, float32 [B, T, D]."""
+    return (p.sink_unit_D * w_BTD.float() * (p.bits_D == 0)) @ p.rotation_DD.transpose(-1, -2)
+
+
+def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """hold [B, T] bool: whether a token's uncoded components are nearer the sink's (w: the sink
+    frame's code at the same tokens) than the mean: sum_i g_i (g_i - 2 u_i) < 0 over uncoded i,
+    g = z_unit * w, u = (x - mean) @ R."""
+    u = (x_BTD.float() - p.mean_D) @ p.rotation_DD
+    g = p.sink_unit_D * w_BTD.float() * (p.bits_D == 0)
+    return (g * (g - 2 * u)).sum(-1) < 0
+
+
+def held_values(x_BTD: Tensor, hold_BT: Tensor, h_BTD: Tensor) -> Tensor:
+    """A frame's values with the sink hold: x + hold * h."""
+    return torch.where(hold_BT.unsqueeze(-1), x_BTD + h_BTD, x_BTD)
 
 
 def sink_fields(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
