@@ -16,6 +16,8 @@ at a time at the same budget:
                          previous release) instead of 6
     ours_no_peak         anchors of one reach for every component (fit.anchor_peak_mult=0, the
                          previous release) instead of twice the trace's peak where that is further
+    ours_no_sink_hold    no hold bits (fit.sink_hold=false, the previous release): the uncoded
+                         components of every frame decode to the mean, never to the sink's values
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_refine       the step multipliers of the base width kept after mixed precision
                          (fit.refine_steps=false, the previous release)
@@ -37,6 +39,7 @@ at a time at the same budget:
                          second as ours, kept under the names that report's command uses
     ours_peak1.5, ours_peak2, ours_peak3  (the sweep of anchor_peak.md, made before today's
                          default) fit.anchor_peak_mult at 1.5, 2 (today's default: ours) and 3
+    ours_sink_hold       (sink_hold.md's row, made before today's default) fit.sink_hold=true: ours
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -104,7 +107,8 @@ ABLATIONS = {
     "ours_peak1.5": {"anchor_peak_mult": 1.5},
     "ours_peak2": {"anchor_peak_mult": 2.0},  # the default since anchor_peak.md: equals ours
     "ours_peak3": {"anchor_peak_mult": 3.0},
-    "ours_sink_hold": {"sink_hold": True},
+    "ours_sink_hold": {"sink_hold": True},  # the default since sink_hold.md: equals ours
+    "ours_no_sink_hold": {"sink_hold": False},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")

@@ -119,7 +119,7 @@ class FitConfig:
     anchor_peak_mult: float = 2.0  # ... and up to this multiple of the largest deviation the fit's trace shows (0: off)
     sink_bits: float = 6.0  # the sink frame's own code: average bits per component (0 = the sink is the chain's first frame)
     sink_sd: float = 8.0  # the sink code's reach in standard deviations of each component
-    sink_hold: bool = False  # with a sink code: one bit per token lets its uncoded components take the sink's (format 1.4)
+    sink_hold: bool = True  # with a sink code: one bit per token lets its uncoded components take the sink's (format 1.4)
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
     # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (README, Fitting)
     closed_loop_scales: list[float] = field(default_factory=lambda: [1.0])
