@@ -32,8 +32,9 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    operations, so the same codes), write its codes and modes into its slot, and re-anchor the
    frame that became the oldest;
 4. values = (unit * v) @ R^T + mean, one matmul of the coded components with unit R^T (its
-   rows for the coded components only), keys rotated by their frame's rotary (pre-rotary keys),
-   handed to the attention as one block of keys per token block.
+   rows for the coded components only), plus the sink's uncoded part on held tokens (sink hold),
+   keys rotated by their frame's rotary (pre-rotary keys), handed to the attention as one block
+   of keys per token block.
 
 The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
 the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py), held
