@@ -53,10 +53,8 @@ class ChainCode:
             self.sink_layout = RowLayout.concat(sink_bits.tolist(), device)
             self.sink_offset = predictive.field_offset(sink_bits)
         self.hold = hold
-        if hold:
-            if not self.has_sink:
-                raise ValueError("a sink hold needs a sink code")
-            self.rotation_T = self.rotation.transpose(-1, -2).contiguous()
+        if hold and not self.has_sink:
+            raise ValueError("a sink hold needs a sink code")
         self.offset = predictive.field_offset(anchor_bits)
         self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
                                                   self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
@@ -171,8 +169,7 @@ class ChainCode:
 
     def hold_part(self, sink_w: Tensor) -> Tensor:
         """The first sink frame's codes [B, S, G, Tb, D] -> h [B, G, Tb, D] (quant/predictive.sink_hold_part)."""
-        w = sink_w[:, 0].float()
-        return (self.params.sink_unit_D * w * (self.params.bits_D == 0)) @ self.rotation_T
+        return predictive.sink_hold_part(sink_w[:, 0], self.params)
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and
