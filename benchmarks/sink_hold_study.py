@@ -51,8 +51,8 @@ class SinkRuleCoder:
         uncoded = (p.bits_D == 0).float()
         if self.frame == 0:
             w = P.sink_code(x, p)
-            self.v, self.w = P.sink_states(w, p), w
-            self.s = (p.sink_unit_D * w.float()) / p.unit_D * uncoded  # the sink's uncoded part, in units
+            self.v, self.w, self.h = P.sink_states(w, p), w, P.sink_hold_part(w, p)  # h: the sink's uncoded part
+            self.s = (p.sink_unit_D * w.float()) / p.unit_D * uncoded  # ... in units
             self.hold = torch.ones(x.shape[:-1] + (1,), dtype=torch.bool)
             self.frame += 1
             return P.sink_values(w, p)
@@ -60,13 +60,14 @@ class SinkRuleCoder:
         if self.rule != "carried":
             _, _, self.v = P.encode(x, p, self.v)
             out = P.values(self.v, p)
-            held = out + P.sink_hold_part(self.w, p)
-            if self.rule == "every":
-                return held
-            if self.rule == "frame":
-                better = float((held - x).pow(2).sum()) < float((out - x).pow(2).sum())
-                return held if better else out
-            return P.held_values(out, P.sink_hold(x, self.w, p), P.sink_hold_part(self.w, p)) if self.rule == "token" else out
+            if self.rule == "none":
+                return out
+            if self.rule == "token":
+                return P.held_values(out, P.sink_hold(x, self.w, p), self.h)
+            held = out + self.h
+            if self.rule == "frame" and float((held - x).pow(2).sum()) >= float((out - x).pow(2).sum()):
+                return out
+            return held
         tau, w2 = P.to_units(x, p), p.unit_D**2
         (_, v_i), (_, v_p) = P.intra(tau, p), P.inter(tau, self.v, p)
         coded = 1 - uncoded

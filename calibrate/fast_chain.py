@@ -233,6 +233,7 @@ class ChainStore:
         if decode and self.pre_rotary:
             cos, sin = rope(hist_chain + recent_post)
         recent_slots = self._index([f % self.R for f in recent_post]) if recent_post else None
+        hist_slots = self._index([self.slot(f) for f in hist_chain]) if self.code.hold and hist_chain else None
         block = block or self.token_block
         pre_sinks, hist_sinks = self._sink_count(chain_pre), self._sink_count(hist_chain)
         for t0 in range(0, self.T, block):
@@ -257,7 +258,7 @@ class ChainStore:
                 sink_w = self._sink_code(hist_sinks, tokens)
             held = None  # the sink hold: (hold bits of the history's chain frames, the sink's part)
             if self.code.hold and kept is not None and sink_w is not None:
-                held = self._holds(self.holds, self._index([self.slot(f) for f in hist_chain]), tokens), self.code.hold_part(sink_w)
+                held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(sink_w)
             yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
         if commit:
             self.anchor_frame = anchor_post
@@ -301,9 +302,9 @@ class ChainStore:
             table[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
         return v_e
 
-    def _holds(self, table: Tensor, rows: Tensor, tokens: slice) -> Tensor:
-        """Hold bits [B, G, J, Tb] bool of rows `rows` of a [B, rows, G, ceil(T/8)] table."""
-        b = table[..., tokens.start // 8: -(-tokens.stop // 8)].index_select(1, rows)  # [B, J, G, Tb/8]
+    def _holds(self, rows: Tensor, tokens: slice) -> Tensor:
+        """Hold bits [B, G, J, Tb] bool of `tokens` from J rows of holds [B, J, G, ceil(T/8)]."""
+        b = rows[..., tokens.start // 8: -(-tokens.stop // 8)]  # [B, J, G, Tb/8]
         bits = (b.unsqueeze(-1) >> self.code.bit_shift_u8) & 1
         return bits.flatten(-2)[..., : tokens.stop - tokens.start].transpose(1, 2).bool()
 
@@ -343,8 +344,7 @@ class ChainStore:
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
             held = None
             if self.code.hold:
-                held = self._holds(self.slots["holds"], self._index(list(range(S))), tokens), \
-                    self.code.hold_part(self._sink_code(self.S, tokens))
+                held = self._holds(self.slots["holds"][:, :S], tokens), self.code.hold_part(self._sink_code(self.S, tokens))
             yield self._block(states, None, tokens, cos, sin, None, held)
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None,
