@@ -16,8 +16,10 @@ at a time at the same budget:
                          previous release) instead of 6
     ours_no_peak         anchors of one reach for every component (fit.anchor_peak_mult=0, the
                          previous release) instead of twice the trace's peak where that is further
-    ours_no_sink_hold    no hold bits (fit.sink_hold=false, the previous release): the uncoded
+    ours_no_sink_hold    no hold bits (fit.sink_hold=false, two releases back): the uncoded
                          components of every frame decode to the mean, never to the sink's values
+    ours_no_refresh      the sink hold's reference never refreshed (fit.sink_refresh=0, the
+                         previous release): held tokens take the sink frame's uncoded components
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_refine       the step multipliers of the base width kept after mixed precision
                          (fit.refine_steps=false, the previous release)
@@ -109,6 +111,7 @@ ABLATIONS = {
     "ours_peak3": {"anchor_peak_mult": 3.0},
     "ours_sink_hold": {"sink_hold": True},  # the default since sink_hold.md: equals ours
     "ours_no_sink_hold": {"sink_hold": False},
+    "ours_no_refresh": {"sink_refresh": 0},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")

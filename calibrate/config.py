@@ -120,6 +120,7 @@ class FitConfig:
     sink_bits: float = 6.0  # the sink frame's own code: average bits per component (0 = the sink is the chain's first frame)
     sink_sd: float = 8.0  # the sink code's reach in standard deviations of each component
     sink_hold: bool = True  # with a sink code: one bit per token lets its uncoded components take the sink's (format 1.4)
+    sink_refresh: int = 8  # with a sink hold: its reference is refreshed every this many frames (format 1.5; 0: the sink's)
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
     # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (README, Fitting)
     closed_loop_scales: list[float] = field(default_factory=lambda: [1.0])
@@ -177,6 +178,8 @@ class FitConfig:
             raise ValueError(f"config: fit.sink_bits must lie in [0, 16] bits per component, got {self.sink_bits}")
         if not (math.isfinite(self.sink_sd) and self.sink_sd > 0):
             raise ValueError(f"config: fit.sink_sd must be a finite number > 0, got {self.sink_sd}")
+        if self.sink_refresh < 0:
+            raise ValueError(f"config: fit.sink_refresh must be >= 0 frames (0: no refresh), got {self.sink_refresh}")
         positive("fit.sample_tokens", self.sample_tokens)
         positive("fit.trace_frames", self.trace_frames)
         positive("fit.trace_trajectories", self.trace_trajectories)

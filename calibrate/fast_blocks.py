@@ -1,5 +1,6 @@
 """Helpers of the fast runtime's stores (fast_chain.py, fast_frames.py, fastcache.py): index
-tensors made once per slot list, and a frame's tokens taken one block at a time."""
+tensors made once per slot list, a frame's tokens taken one block at a time, and tables of one
+bit per token and head (a predictive frame's modes and hold bits, bit t % 8 of byte t // 8)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,19 @@ def token_block(x, tokens: slice) -> Tensor:
     (`fastcache.RotatedKeys`: post-rotary keys made a block at a time)."""
     return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
 
+
+
+def pack_token_bits(bits_BGT: Tensor, out_BGC: Tensor, t0: int) -> None:
+    """Write bits [B, G, Tb] bool (tokens t0.., t0 a multiple of 8) into their bytes of `out` [B, G, ceil(T/8)]."""
+    B, G, Tb = bits_BGT.shape
+    bits = bits_BGT if Tb % 8 == 0 else torch.nn.functional.pad(bits_BGT, (0, -Tb % 8))
+    shift = torch.arange(8, dtype=torch.int32, device=bits.device)
+    byte = (bits.view(B, G, -1, 8).to(torch.int32) << shift).sum(-1, dtype=torch.int32)
+    out_BGC[..., t0 // 8: t0 // 8 + byte.shape[-1]] = byte.to(torch.uint8)
+
+
+def unpack_token_bits(rows: Tensor, tokens: slice) -> Tensor:
+    """Bits [..., Tb] bool of `tokens` (tokens.start a multiple of 8) from byte rows [..., ceil(T/8)] uint8."""
+    b = rows[..., tokens.start // 8: -(-tokens.stop // 8)]
+    shift = torch.arange(8, dtype=torch.uint8, device=rows.device)
+    return ((b.unsqueeze(-1) >> shift) & 1).flatten(-2)[..., : tokens.stop - tokens.start].bool()

@@ -14,8 +14,10 @@ defines their stored forms, in fixed buffers allocated once:
                                       main slots stay unused)
     recent  float16 [B, G, R, T, D]   the newest `recent_frames` frames, ring by frame % R
     holds   uint8 [B, M, G, ceil(T/8)] with a sink hold (format 1.4): one bit per token and head (1 =
-                                      its uncoded components take the sink's), kept while the
+                                      its uncoded components take the reference's), kept while the
                                       frame is the anchor (its slot is reused only when it leaves)
+    reference uint8 [B, Cr, T]        with a sink refresh (format 1.5): the sink hold's reference, the
+                                      uncoded components of the sink frame, then of the latest refresh frame
 
 with M = sink_frames + window - recent_frames main slots: frame f < sink in slot f, later frames
 in slot sink + (f - sink) % (window - recent), which is exactly the slot of the frame evicted when
@@ -32,16 +34,14 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
    operations, so the same codes), write its codes and modes into its slot, and re-anchor the
    frame that became the oldest;
 4. values = (unit * v) @ R^T + mean, one matmul of the coded components with unit R^T (its
-   rows for the coded components only), plus the sink's uncoded part on held tokens (sink hold),
+   rows for the coded components only), plus the reference's uncoded part on held tokens (sink hold),
    keys rotated by their frame's rotary (pre-rotary keys), handed to the attention as one block
    of keys per token block.
 
-The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s; this module holds
-the frames. The integer states are those of the tests' oracle (tests/reference_runtime.py), held
-equal; values agree within FORMAT.md's bound (float rounding). Bytes held (`nbytes`) count the
-forms each kept frame is in, which is what `memory.predicted_cache_bytes` predicts; the slots
-not in use at the moment (the anchor frame's delta slot, warm-up) are capacity
-(`capacity_nbytes`).
+The arithmetic of steps 1-4 on packed forms is `fast_chain_code.ChainCode`'s. The integer states
+are those of the tests' oracle (tests/reference_runtime.py), held equal; values agree within
+FORMAT.md's bound. Bytes held (`nbytes`) count the forms each kept frame is in (memory.py
+predicts them); slots not in use at the moment are capacity (`capacity_nbytes`).
 """
 
 from __future__ import annotations
@@ -49,23 +49,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibrate.cache import SLOT_BASE, kept_frames, rotate_pairs_complex
-from calibrate.fast_blocks import IndexTensors, token_block
+from calibrate.cache import kept_frames, rotate_pairs_complex
+from calibrate.fast_blocks import IndexTensors, pack_token_bits, token_block, unpack_token_bits
 from calibrate.fast_chain_code import ChainCode
+from calibrate.fast_chain_host import ChainHostTier
+from calibrate.quant.predictive import is_refresh_frame
 
 FP = torch.float16
 SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
 
 
-class ChainStore:
+class ChainStore(ChainHostTier):
     """One layer's predictive tensors, `tensors` = {"k": roles, "v": roles} or one of them (see the
     module docstring)."""
 
     def __init__(self, tensors: dict[str, dict], pre_rotary: bool, temporal: bool, policy, window: int,
                  sink_frames: int, tokens_per_frame: int, device, token_block: int | None = None,
-                 recall_slots: int = 0, keep_evicted: bool = False, hold: bool = False):
+                 recall_slots: int = 0, keep_evicted: bool = False, hold: bool = False, refresh: int = 0):
         self.kinds = tuple(kind for kind in "kv" if kind in tensors)
-        self.code = code = ChainCode([tensors[kind] for kind in self.kinds], device, hold)
+        self.code = code = ChainCode([tensors[kind] for kind in self.kinds], device, hold, refresh)
         self.H, self.G, self.D = code.H, code.G, code.D
         self.pre_rotary, self.temporal = pre_rotary and "k" in self.kinds, temporal
         self.T, self.window, self.sink = tokens_per_frame, window, sink_frames
@@ -97,6 +99,10 @@ class ChainStore:
         self.recent = torch.zeros(B, G, self.R, T, D, dtype=FP, device=dev)
         self.sinks = torch.zeros(B, self.S, self.code.sink_layout.nbytes if self.S else 0, T, dtype=torch.uint8, device=dev)
         self.holds = torch.zeros(B, self.M, G, -(-T // 8) if self.code.hold else 0, dtype=torch.uint8, device=dev)
+        self.reference = torch.zeros(B, self.code.reference_layout.nbytes if self.code.refresh else 0, T,
+                                     dtype=torch.uint8, device=dev)
+        if self.code.refresh:  # w = 0 (no hold) until the sink frame is coded
+            self.code.pack_sink(torch.zeros(B, T, G, D, dtype=torch.int64, device=dev), self.reference, reference=True)
         S = self.recall_slots  # a memory plan's recall slots, frames in host form
         held = {"anchor": self.anchor[:, None]} if self.temporal else {"codes": self.codes, "modes": self.modes}
         if self.code.hold:
@@ -151,6 +157,14 @@ class ChainStore:
         """The sink code w [B, S, G, Tb, D] of the first S sink frames for `tokens`, unpacked once
         per token block for both their states (the scan) and their values (`_block`)."""
         return self.code.sink_code_of(self.sinks[:, :S, :, tokens]) if S else None
+
+    def _reference_w(self, tokens: slice, sink_w: Tensor | None) -> Tensor | None:
+        """The sink hold's source for `tokens`, w [B, G, Tb, D]: the held reference with a sink
+        refresh (0 before the sink frame is coded: no hold), else the first sink frame's code (of
+        `sink_w` [B, S, G, Tb, D]; None: not coded yet)."""
+        if self.code.refresh:
+            return self.code.sink_code_of(self.reference[:, None, :, tokens], reference=True)[:, 0]
+        return None if sink_w is None else sink_w[:, 0]
 
     # ---- a step -----------------------------------------------------------------------------
     @property
@@ -247,6 +261,8 @@ class ChainStore:
             if commit:
                 x = torch.cat([token_block(kv[0], tokens) if kind == "k" else kv[1][:, :, tokens]
                                for kind in self.kinds], dim=1)  # K then V: [B, G, Tb, D]
+                if not code_e and e > 0 and self.code.refresh:  # leaves the recent window evicted: it still refreshes
+                    self._refresh(e, self.recent[:, :, e % self.R, tokens].float(), tokens, sink_w)
                 v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post, sink_w)
             if not decode:
                 continue
@@ -256,9 +272,10 @@ class ChainStore:
                 kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
             if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
                 sink_w = self._sink_code(hist_sinks, tokens)
-            held = None  # the sink hold: (hold bits of the history's chain frames, the sink's part)
-            if self.code.hold and kept is not None and sink_w is not None:
-                held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(sink_w)
+            held = None  # the sink hold: (hold bits of the history's chain frames, the reference's part)
+            ref_w = self._reference_w(tokens, sink_w) if self.code.hold and kept is not None else None
+            if ref_w is not None:
+                held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(ref_w)
             yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
         if commit:
             self.anchor_frame = anchor_post
@@ -269,14 +286,16 @@ class ChainStore:
         v_e = None
         if e is not None:
             x_e = self.recent[:, :, e % self.R, tokens].float() if self.R else x_BGTD
-            if e < self.S:  # a sink frame: the sink code
+            if e < self.S:  # a sink frame: the sink code (the first: the sink hold's reference)
                 w, v_e = self.code.encode_sink(x_e)
                 self.code.pack_sink(w.permute(0, 2, 1, 3), self.sinks[:, e, :, tokens])
+                if e == 0 and self.code.refresh:
+                    self.code.pack_sink((w * self.code.uncoded).permute(0, 2, 1, 3), self.reference[..., tokens], reference=True)
             else:
                 v_prev = None
                 if prev is not None:
                     v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
-                hold = self.code.encode_hold(x_e, None if sink_w is None else sink_w[:, 0]) if self.code.hold else None
+                hold = self.code.encode_hold(x_e, self._refresh(e, x_e, tokens, sink_w)) if self.code.hold else None
                 v_e = self._store_delta(e, tokens, *self.code.encode(x_e, v_prev), hold)
         if self.R:
             self.recent[:, :, index % self.R, tokens] = x_BGTD.to(FP)
@@ -288,64 +307,27 @@ class ChainStore:
             self.code.pack_anchor(v_a, self.anchor[..., tokens])
         return v_e
 
+    def _refresh(self, e: int, x_e: Tensor, tokens: slice, sink_w: Tensor | None) -> Tensor | None:
+        """The reference e's hold is chosen against: its own if it is a refresh frame (then held)."""
+        if not is_refresh_frame(e, self.code.refresh, self.sink):
+            return self._reference_w(tokens, sink_w)
+        w = self.code.encode_reference(x_e)
+        self.code.pack_sink(w.permute(0, 2, 1, 3), self.reference[..., tokens], reference=True)
+        return w
+
     def _store_delta(self, e: int, tokens: slice, inter: Tensor, c: Tensor, v_e: Tensor, hold: Tensor | None) -> Tensor:
         """Write frame e's modes, codes (and holds) for `tokens` into its slot; returns its states."""
         slot = self.slot(e)
         B, G, Tb, D = c.shape
         self.code.codes_layout.pack(c.permute(0, 2, 1, 3).reshape(B, Tb, G * D), out=self.codes[:, slot, :, tokens].transpose(-1, -2))
         for bits, table in ((inter, self.modes), (hold, self.holds)):
-            if bits is None:
-                continue
-            bits = bits if Tb % 8 == 0 else torch.nn.functional.pad(bits, (0, -Tb % 8))
-            byte = (bits.view(B, G, -1, 8).to(torch.int32) << self.code.bit_shift).sum(-1, dtype=torch.int32)
-            t0 = tokens.start // 8
-            table[:, slot, :, t0: t0 + byte.shape[-1]] = byte.to(torch.uint8)
+            if bits is not None:
+                pack_token_bits(bits, table[:, slot], tokens.start)
         return v_e
 
     def _holds(self, rows: Tensor, tokens: slice) -> Tensor:
         """Hold bits [B, G, J, Tb] bool of `tokens` from J rows of holds [B, J, G, ceil(T/8)]."""
-        b = rows[..., tokens.start // 8: -(-tokens.stop // 8)]  # [B, J, G, Tb/8]
-        bits = (b.unsqueeze(-1) >> self.code.bit_shift_u8) & 1
-        return bits.flatten(-2)[..., : tokens.stop - tokens.start].transpose(1, 2).bool()
-
-    # ---- a memory plan's host tier and recall slots ------------------------------------------------
-    def _host_form(self, f: int) -> dict:
-        """Frame f (leaving the window) self-contained: its anchor (the held one, or a buffer the step
-        packs from f's states), or without `temporal` its intra codes and modes as stored."""
-        holds = {"holds": self.holds[:, self.slot(f)].clone()} if self.code.hold else {}
-        if not self.temporal:
-            return {"codes": self.codes[:, self.slot(f)].clone(), "modes": self.modes[:, self.slot(f)].clone(), **holds}
-        return {"anchor": self.anchor.clone() if f == self.anchor_frame else torch.empty_like(self.anchor), **holds}
-
-    def take_evicted(self) -> tuple[int, dict] | None:
-        """(frame, host form) of the frame the last step evicted, once."""
-        out, self._evicted = self._evicted, None
-        return out
-
-    def slot_views(self, s: int) -> dict:
-        """Recall slot s as views of its buffers, shaped like a host form."""
-        return {name: t[:, s] for name, t in self.slots.items()}
-
-    def set_filled(self, filled: int) -> None:
-        self.filled = filled
-
-    def recalled(self, rope=None):
-        """Blocks (k post-rotary, v, None) of the filled recall slots; `rope` as in `step`."""
-        if not self.filled:
-            return
-        S = self.filled
-        cos, sin = rope([SLOT_BASE + s for s in range(S)]) if self.pre_rotary else (None, None)
-        for t0 in range(0, self.T, self.token_block):
-            tokens = slice(t0, min(t0 + self.token_block, self.T))
-            if self.temporal:  # [B, S, Tb, G, Dc] -> [B, Tb, G, S, Dc]
-                states = self.code.anchor_states(self.slots["anchor"][:, :S, :, tokens]).permute(0, 2, 3, 1, 4)
-            else:  # intra frames: a scan without predecessors
-                modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
-                states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
-            held = None
-            if self.code.hold:
-                held = self._holds(self.slots["holds"][:, :S], tokens), self.code.hold_part(self._sink_code(self.S, tokens))
-            yield self._block(states, None, tokens, cos, sin, None, held)
+        return unpack_token_bits(rows, tokens).transpose(1, 2)
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None,
                held: tuple[Tensor, Tensor] | None = None):
@@ -383,10 +365,10 @@ class ChainStore:
         total = sum(self.sinks[:, 0].numel() if f < self.S else (self.anchor.numel() if f == a else delta) + holds
                     for f in chain)
         slots = sum(t[:, : self.filled].numel() for t in self.slots.values())
-        return total + slots + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
+        return total + slots + self.reference.numel() + len(self.recent_frames(n)) * self.B * self.G * self.T * self.D * 2
 
     def capacity_nbytes(self) -> int:
         if self.B is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.codes, self.modes, self.anchor, self.recent, self.sinks,
-                                                          self.holds, *self.slots.values()))
+                                                          self.holds, self.reference, *self.slots.values()))

@@ -15,8 +15,10 @@ frames (`fast_chain.ChainStore` holds them):
 - `encode_sink` / `sink_code_of` / `sink_states` / `sink_values`: the sink code (format 1.3) of a
   sink frame, its packed fields -> its code w, w -> the chain's states after it, and -> its values
   (every component);
-- `encode_hold` / `hold_part`: the sink hold (format 1.4): which tokens take the sink's uncoded
-  components, and those components' values per token;
+- `encode_hold` / `hold_part`: the sink hold (format 1.4): which tokens take the reference's
+  (the sink's, or with a sink refresh, format 1.5, the latest refresh frame's) uncoded
+  components, and those components' values per token; `encode_reference`: a refresh frame's
+  reference, packed and unpacked by `pack_sink` / `sink_code_of` with `reference=True`;
 - `expand` / `compact`: coded components <-> all D components.
 
 Decoding tracks only coded components (b_i > 0): the others are 0 in every state. Per head the
@@ -37,7 +39,7 @@ class ChainCode:
     """One layer's predictive tensors' parameters (`tensors`: their roles, K before V), stacked
     [G, ...], and the code's arithmetic."""
 
-    def __init__(self, tensors: list[dict], device, hold: bool = False):
+    def __init__(self, tensors: list[dict], device, hold: bool = False, refresh: int = 0):
         cat = lambda role: torch.cat([t[role] for t in tensors]).to(device)
         self.H = tensors[0]["mean"].shape[0]
         self.G, self.D = len(tensors) * self.H, tensors[0]["mean"].shape[1]
@@ -52,14 +54,21 @@ class ChainCode:
             self.sink_unit, sink_bits = cat("sink_unit"), cat("sink_bits")
             self.sink_layout = RowLayout.concat(sink_bits.tolist(), device)
             self.sink_offset = predictive.field_offset(sink_bits)
-        self.hold = hold
+        self.hold, self.refresh = hold, refresh
         if hold and not self.has_sink:
             raise ValueError("a sink hold needs a sink code")
+        if refresh and not hold:
+            raise ValueError("a sink refresh needs a sink hold")
         self.offset = predictive.field_offset(anchor_bits)
         self.params = predictive.PredictiveParams(self.mean[:, None], self.rotation, self.unit[:, None], bits[:, None],
                                                   self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
                                                   *((self.sink_unit[:, None], sink_bits[:, None]) if self.has_sink
                                                     else (None, None)))
+        if refresh:  # the reference: the sink code's uncoded components (quant/predictive.reference_bits)
+            reference_bits = sink_bits * (bits == 0)
+            self.reference_layout = RowLayout.concat(reference_bits.tolist(), device)
+            self.reference_offset = predictive.field_offset(reference_bits)
+            self.uncoded = (bits == 0)[:, None, :]  # [G, 1, D]
         self.codes_layout = RowLayout.concat(bits.tolist(), device)
         self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
         # coded components first per head (see the module docstring)
@@ -86,8 +95,7 @@ class ChainCode:
         unit_c = pick(self.unit)  # [G, Dc]
         rows = torch.gather(self.rotation.transpose(-1, -2), 1, self.comp[..., None].expand(-1, -1, self.D))  # R^T rows
         self.decode = (unit_c[..., None] * rows).contiguous()  # [G, Dc, D]
-        self.bit_shift = torch.arange(8, dtype=torch.int32, device=device)
-        self.bit_shift_u8 = self.bit_shift.to(torch.uint8)
+        self.bit_shift_u8 = torch.arange(8, dtype=torch.uint8, device=device)
         self._scan_core, self._values_core = self._scan, self._values
 
     def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
@@ -138,17 +146,19 @@ class ChainCode:
         w = predictive.sink_code(x_BGTD, self.params)
         return w, predictive.sink_states(w, self.params)
 
-    def pack_sink(self, w: Tensor, out: Tensor) -> None:
-        """Pack a sink code [B, Tb, G, D] into `out` [B, Cz, Tb]."""
+    def pack_sink(self, w: Tensor, out: Tensor, reference: bool = False) -> None:
+        """Pack a sink code [B, Tb, G, D] into `out` [B, Cz, Tb] (a refresh reference with `reference`)."""
         B, Tb = w.shape[:2]
-        self.sink_layout.pack((w + self.sink_offset).reshape(B, Tb, -1), out=out.transpose(-1, -2))
+        layout, offset = (self.reference_layout, self.reference_offset) if reference else (self.sink_layout, self.sink_offset)
+        layout.pack((w + offset).reshape(B, Tb, -1), out=out.transpose(-1, -2))
 
-    def sink_code_of(self, packed: Tensor) -> Tensor:
-        """Packed sink codes [B, S, Cz, Tb] -> w [B, S, G, Tb, D] int64."""
-        fields = self.sink_layout.unpack_columns(packed)  # [B, S, G*D, Tb]
+    def sink_code_of(self, packed: Tensor, reference: bool = False) -> Tensor:
+        """Packed sink codes [B, S, Cz, Tb] -> w [B, S, G, Tb, D] int64 (refresh references with `reference`)."""
+        layout, offset = (self.reference_layout, self.reference_offset) if reference else (self.sink_layout, self.sink_offset)
+        fields = layout.unpack_columns(packed)  # [B, S, G*D, Tb]
         B, S, _, Tb = fields.shape
         w = fields.view(B, S, self.G, self.D, Tb).transpose(-1, -2).to(torch.int64)
-        return w - self.sink_offset[:, None, :]
+        return w - offset[:, None, :]
 
     def sink_states(self, w: Tensor) -> Tensor:
         """Sink codes w [B, S, G, Tb, D] (`sink_code_of`) -> the chain's states, coded components
@@ -160,16 +170,20 @@ class ChainCode:
         """Sink codes w [B, S, G, Tb, D] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
         return predictive.sink_values(w, self.params).transpose(1, 2)
 
-    def encode_hold(self, x_BGTD: Tensor, sink_w: Tensor | None) -> Tensor:
-        """quant/predictive.sink_hold, every head at once: hold [B, G, T] bool (none without a held
-        sink: `sink_w`, the first sink frame's code [B, G, T, D], None)."""
-        if sink_w is None:
+    def encode_hold(self, x_BGTD: Tensor, ref_w: Tensor | None) -> Tensor:
+        """quant/predictive.sink_hold, every head at once: hold [B, G, T] bool (none without a
+        reference: `ref_w`, the sink frame's or the refresh reference's code [B, G, T, D], None)."""
+        if ref_w is None:
             return torch.zeros(x_BGTD.shape[:-1], dtype=torch.bool, device=x_BGTD.device)
-        return predictive.sink_hold(x_BGTD, sink_w, self.params)
+        return predictive.sink_hold(x_BGTD, ref_w, self.params)
 
-    def hold_part(self, sink_w: Tensor) -> Tensor:
-        """The first sink frame's codes [B, S, G, Tb, D] -> h [B, G, Tb, D] (quant/predictive.sink_hold_part)."""
-        return predictive.sink_hold_part(sink_w[:, 0], self.params)
+    def encode_reference(self, x_BGTD: Tensor) -> Tensor:
+        """quant/predictive.reference_code, every head at once: w * [b = 0] [B, G, T, D] int64."""
+        return predictive.reference_code(x_BGTD, self.params)
+
+    def hold_part(self, ref_w: Tensor) -> Tensor:
+        """The reference's code [B, G, Tb, D] -> h [B, G, Tb, D] (quant/predictive.sink_hold_part)."""
+        return predictive.sink_hold_part(ref_w, self.params)
 
     def compile(self, backend: str = "inductor") -> None:
         """Run the decode through `torch.compile` (fuses unpacking, the scan's elementwise steps and

@@ -64,6 +64,8 @@ def fast_path_problem(recipe: Recipe) -> str | None:
                 return f"layer {i}: predictive K and V, one with a sink code ('sink_token_bits') and one without"
             if pair.k.sink_hold != pair.v.sink_hold:
                 return f"layer {i}: predictive K and V, one with a sink hold ('sink_hold') and one without"
+            if pair.k.sink_refresh != pair.v.sink_refresh:
+                return f"layer {i}: predictive K and V with different 'sink_refresh'"
             continue
         if any(predictive):
             mixes = f"layer {i} mixes a predictive and a per-frame kind (K {pair.k.kind}, V {pair.v.kind})"
@@ -173,7 +175,8 @@ class FastKVCache(KVCache):
             if predictive:
                 chain = ChainStore({kind: recipe.layer_tensors(i, kind) for kind in predictive}, pair.k.rotary_coords > 0,
                                    recipe.spec(i, predictive[0]).temporal, self.policy, window, sink_frames, T,
-                                   self.device, token_block, **tiered, hold=recipe.spec(i, predictive[0]).sink_hold)
+                                   self.device, token_block, **tiered, hold=recipe.spec(i, predictive[0]).sink_hold,
+                                   refresh=recipe.spec(i, predictive[0]).sink_refresh)
             if per_frame:
                 from calibrate.fast_frames import FrameStore
 

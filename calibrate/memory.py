@@ -84,7 +84,8 @@ def predicted_cache_bytes(model: ModelInfo, scheme: Scheme, num_appended: int, w
                 if spec.kind == "predictive":
                     total += predictive_head_bytes(spec.token_bits[h], spec.anchor_token_bits[h], spec.temporal,
                                                    kept, num_appended, pol.recent_frames, batch, T, D,
-                                                   *sink_code_of(spec, h, sink_frames), spec.sink_hold)
+                                                   *sink_code_of(spec, h, sink_frames), spec.sink_hold,
+                                                   spec.refresh_token_bits[h] if spec.refresh_token_bits else 0)
                     continue
                 for f in kept:
                     total += frame_nbytes(spec, held_bits(pol, spec, h, f, num_appended), batch, T, D)
@@ -101,13 +102,17 @@ def sink_code_of(spec: TensorSpec, head: int, sink_frames: int) -> tuple[int, in
 
 def predictive_head_bytes(token_bits: int, anchor_token_bits: int, temporal: bool, kept: list[int], num_appended: int,
                           recent_frames: int, batch: int, T: int, D: int, sink_token_bits: int = 0,
-                          sink_coded: int = 0, hold: bool = False) -> int:
+                          sink_coded: int = 0, hold: bool = False, refresh_token_bits: int = 0) -> int:
     """Bytes of one head of a predictive tensor over the `kept` frames, each in its chain role
-    (`chain.frame_role`): the per-head term of `predicted_cache_bytes`, which the fitter's
-    mixed precision prices an upgrade of one head with."""
+    (`chain.frame_role`), plus the sink refresh's reference (format 1.5: `refresh_token_bits` per
+    token, held once from the first frame on): the per-head term of `predicted_cache_bytes`, which
+    the fitter's mixed precision prices an upgrade of one head with."""
     kept_set = set(kept)
-    return sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal, sink_coded),
-                                  token_bits, anchor_token_bits, batch, T, D, sink_token_bits, hold) for f in kept)
+    reference = batch * T * -(-refresh_token_bits // 8) if kept else 0
+    return reference + sum(chain.frame_nbytes(chain.frame_role(f, num_appended, kept_set, recent_frames, temporal,
+                                                                sink_coded),
+                                              token_bits, anchor_token_bits, batch, T, D, sink_token_bits, hold)
+                           for f in kept)
 
 
 def head_frame_nbytes(spec: TensorSpec, head: int, role: str, batch: int, T: int, D: int) -> int:

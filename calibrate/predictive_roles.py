@@ -41,10 +41,15 @@ def shapes(H: int, D: int, sink: bool = False) -> dict[str, tuple[int, ...]]:
 
 
 def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bits: list[int], prefix: str,
-          sink_token_bits: list[int] | None = None) -> None:
+          sink_token_bits: list[int] | None = None, refresh_token_bits: list[int] | None = None) -> None:
     """Invariants of one layer's K or V roles (shapes are checked by the loader before)."""
     if sink_token_bits is not None:
         check_sink(tensors, sink_token_bits, prefix)
+    if refresh_token_bits is not None:
+        ref = tensors["sink_bits"] * (tensors["channel_bits"] == 0)  # quant/predictive.reference_bits
+        if ref.sum(-1).tolist() != list(refresh_token_bits):
+            raise ValueError(f"tensors '{prefix}.sink_bits' where channel_bits is 0 sum to {ref.sum(-1).tolist()} per "
+                             f"head, the spec's refresh_token_bits says {list(refresh_token_bits)}")
     for role in FLOAT_ROLES:
         t = tensors[role]
         if t.dtype != torch.float32 or not torch.isfinite(t).all():

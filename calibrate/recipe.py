@@ -34,8 +34,9 @@ from calibrate.scheme_spec import (LayerSpec, RecipeError, Scheme, TensorSpec, T
 from calibrate.types import ModelInfo
 
 FORMAT = "kv-recipe"
-FORMAT_VERSION = "1.4"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random"; 1.2: kind nvfp4;
-# 1.3: the predictive sink code (field sink_token_bits, roles sink_unit and sink_bits); 1.4: field sink_hold (FORMAT.md)
+FORMAT_VERSION = "1.5"  # 1.1: kinds predictive, prq, turbo, turbo_prod; fields, roles and rotation "random"; 1.2: kind nvfp4;
+# 1.3: the predictive sink code (field sink_token_bits, roles sink_unit and sink_bits); 1.4: field sink_hold;
+# 1.5: fields sink_refresh and refresh_token_bits (FORMAT.md)
 REQUIRED_METADATA = ("format", "format_version", "producer", "model", "scheme")
 OPTIONAL_METADATA = ("calibration", "metrics", "memory", "fit")
 INT_ROLES = ("outlier_channels", "sink_bits") + predictive_roles.INT_ROLES  # int64; every other role is float32
@@ -258,7 +259,9 @@ def validate(recipe: Recipe, where: str) -> None:
 
 
 def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: int, where: str) -> None:
-    for name in ("token_bits", "anchor_token_bits") + (("sink_token_bits",) if spec.sink_token_bits is not None else ()):
+    for name in ("token_bits", "anchor_token_bits", "sink_token_bits", "refresh_token_bits"):
+        if getattr(spec, name) is None:
+            continue
         if len(getattr(spec, name)) != H:
             raise RecipeError(f"{where}: scheme.layers[{i}].{kind}.{name} has {len(getattr(spec, name))} entries, expected {H}")
     if kind == "k" and recipe.tensor(i, "k", "logit_bias") is not None:
@@ -268,7 +271,7 @@ def _check_predictive(recipe: Recipe, i: int, kind: str, spec: TensorSpec, H: in
                           "held in float16 until they join the chain)")
     try:
         predictive_roles.check(recipe.layer_tensors(i, kind), spec.token_bits, spec.anchor_token_bits, f"layers.{i}.{kind}",
-                               spec.sink_token_bits)
+                               spec.sink_token_bits, spec.refresh_token_bits)
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
 

@@ -138,6 +138,8 @@ SPEC_FIELDS = {
     "anchor_token_bits": Field("int list or null", _at_least(0)),
     "sink_token_bits": Field("int list or null", _at_least(0)),
     "sink_hold": Field("bool"),
+    "sink_refresh": Field("int", _at_least(0)),
+    "refresh_token_bits": Field("int list or null", _at_least(0)),
     "temporal": Field("bool"),
     "prq_stages": Field("int", _at_least(0)),
     "prq_centroids": Field("int", _between(0, 256)),

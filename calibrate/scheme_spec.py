@@ -88,6 +88,8 @@ class TensorSpec:
     anchor_token_bits: list[int] | None = None  # predictive: anchor bits per token of each head
     sink_token_bits: list[int] | None = None  # predictive (format 1.3): sink code bits per token of each head
     sink_hold: bool = False  # predictive (format 1.4), with a sink code: one hold bit per token (quant/predictive.py)
+    sink_refresh: int = 0  # predictive (format 1.5), with a sink hold: refresh the hold's reference every this many frames
+    refresh_token_bits: list[int] | None = None  # predictive (format 1.5): the reference's bits per token of each head
     temporal: bool = True  # predictive: tokens may be coded against the previous frame (false: every token intra)
     prq_stages: int = 0
     prq_centroids: int = 0
@@ -101,7 +103,7 @@ class TensorSpec:
 
 
 V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "sink_token_bits": None, "sink_hold": False,
-                 "temporal": True,
+                 "sink_refresh": 0, "refresh_token_bits": None, "temporal": True,
                  "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False,
                  "jensen": False}
 
@@ -199,7 +201,7 @@ def parse_spec(d: dict, where: str) -> TensorSpec:
 
 _PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False}
 _PREDICTIVE_DEFAULTS = {"token_bits": None, "anchor_token_bits": None, "sink_token_bits": None, "sink_hold": False,
-                        "temporal": True}
+                        "sink_refresh": 0, "refresh_token_bits": None, "temporal": True}
 
 
 def uniform_scheme(name: str, num_layers: int, k: TensorSpec, v: TensorSpec, policy: TokenPolicy, notes: str = "") -> Scheme:

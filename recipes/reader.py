@@ -213,9 +213,12 @@ def predictive_values(v, tensors, layer, kind, head):
 
 def predictive_sink_code(stored, tensors, layer, kind, head):
     """A sink frame's code w [B, T, D] int64 from its stored form {"sink"} (format 1.3): fields
-    w + 2^(z - 1) of widths `sink_bits`."""
+    w + 2^(z - 1) of widths `sink_bits`; or a sink refresh's reference from {"reference"} (format
+    1.5): the same on the uncoded components only (widths z * [channel_bits = 0]), 0 elsewhere."""
     z = np.asarray(tensors[f"layers.{layer}.{kind}.sink_bits"][head])
-    return unpack_fields(stored["sink"], z) - np.where(z > 0, 1 << np.maximum(z - 1, 0), 0)
+    if "reference" in stored:
+        z = z * (np.asarray(tensors[f"layers.{layer}.{kind}.channel_bits"][head]) == 0)
+    return unpack_fields(stored.get("sink", stored.get("reference")), z) - np.where(z > 0, 1 << np.maximum(z - 1, 0), 0)
 
 
 def predictive_sink_values(stored, tensors, layer, kind, head):
@@ -237,10 +240,20 @@ def predictive_sink(x, tensors, layer, kind, head):
     return {"sink": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
 
 
+def predictive_reference(x, tensors, layer, kind, head):
+    """A refresh frame's reference {"reference"} (format 1.5): the sink code of x (`predictive_sink`)
+    on the uncoded components only, packed at widths z * [channel_bits = 0]."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    z = t("sink_bits") * (t("channel_bits") == 0)
+    w = predictive_sink_code(predictive_sink(x, tensors, layer, kind, head), tensors, layer, kind, head) * (z > 0)
+    return {"reference": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
+
+
 def predictive_hold(x, sink_stored, tensors, layer, kind, head):
     """The sink hold's bits (format 1.4), hold [B, T] bool of one frame of one head: sum over the
-    uncoded components d (channel_bits 0) of g_d (g_d - 2 u_d) < 0, g = z_unit * w of the sink frame's
-    token (`sink_stored`, its stored form {"sink"}), u = (x - mean) @ R; x as for `predictive_encode`.
+    uncoded components d (channel_bits 0) of g_d (g_d - 2 u_d) < 0, g = z_unit * w of the reference's
+    token (`sink_stored`: the sink frame's stored form {"sink"}, or with a sink refresh the current
+    reference {"reference"}, `predictive_reference`), u = (x - mean) @ R; x as for `predictive_encode`.
     float32; the product and the sum are not pinned (numpy's order here): a near-tie may differ."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
     mean, R, z_unit = (np.asarray(t(r), dtype=F32) for r in ("mean", "rotation", "sink_unit"))
@@ -252,8 +265,9 @@ def predictive_hold(x, sink_stored, tensors, layer, kind, head):
 
 def predictive_held_values(x_hat, stored, sink_stored, tensors, layer, kind, head):
     """A delta or anchor frame's values with the sink hold (format 1.4): x̂ + h on the tokens whose
-    hold bit is set, h = (z_unit * w * [channel_bits = 0]) @ R^T of the sink frame's same token
-    (`sink_stored`); x̂ from `predictive_values`. Without holds in `stored`, x̂ itself."""
+    hold bit is set, h = (z_unit * w * [channel_bits = 0]) @ R^T of the reference's same token
+    (`sink_stored`, as for `predictive_hold`: with a sink refresh the *current* reference, whatever
+    frame the holds belong to); x̂ from `predictive_values`. Without holds in `stored`, x̂ itself."""
     if "holds" not in stored:
         return x_hat
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])

@@ -69,6 +69,7 @@ class ReferenceCache(KVCache):
         self.tiers = Tiers.of(recipe, self.device)
         self._slots: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # recall slot -> its record
         self._slot_states: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # slot -> kind -> states
+        self._references: dict[tuple[int, str], list[dict]] = {}  # a sink refresh's held reference per head
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, window: int = 16, sink_frames: int = 1, device="cpu") -> "ReferenceCache":
@@ -157,13 +158,19 @@ class ReferenceCache(KVCache):
             return self._encode(layer, x_BHTD, kind, lambda h: self.final_bits(layer, kind, h, index), index)
         prev = states.get(index - 1)
         sink = index < self.sink_frames  # held in the sink code, if the tensor has one
-        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h], sink, self._sink_w(layer, kind, h))
+        refresh = self.spec(layer, kind).sink_refresh  # the reference: the sink's, then each refresh frame's
+        if refresh and (index == 0 and sink or P.is_refresh_frame(index, refresh, self.sink_frames)):
+            self._references[(layer, kind)] = [c.reference(P.reference_code(x_BHTD[:, h], c.params)) for h, c in enumerate(chain)]
+        coded = [c.encode(x_BHTD[:, h], None if prev is None else prev[h], sink, self._reference_w(layer, kind, h))
                  for h, c in enumerate(chain)]
         states[index] = [v for _, v in coded]
         return [stored for stored, _ in coded]
 
-    def _sink_w(self, layer: int, kind: str, head: int) -> Tensor | None:
-        """The sink code w of frame 0 of one head, if it is held in it (the sink hold's source)."""
+    def _reference_w(self, layer: int, kind: str, head: int) -> Tensor | None:
+        """The sink hold's source of one head: with a sink refresh the held reference (0 until the
+        sink frame is coded), else the sink code w of frame 0 if it is held in it."""
+        if self.spec(layer, kind).sink_refresh:
+            return self._chains[(layer, kind)][head].reference_code(self._references[(layer, kind)][head])
         record = self._frames[layer].get(0)
         if record is None or "sink" not in record[kind][head]:
             return None
@@ -202,6 +209,11 @@ class ReferenceCache(KVCache):
             for s in self._slots[layer]:  # recall slots out of the way of the window's bookkeeping
                 held.pop(SLOT_BASE + s, None)
         k_in, extra = self._key_input(layer, k_BHTD, key_rope)
+        if index == 0:  # a sink refresh's reference is held from the first frame on, 0 until the sink is coded
+            B, _, T, D = v_BHTD.shape
+            self._references.update({(layer, kind): [c.reference(torch.zeros(B, T, D, dtype=torch.int64, device=self.device))
+                                                     for c in chain] for (i, kind), chain in self._chains.items()
+                                     if i == layer and self.spec(layer, kind).sink_refresh})
         states = {kind: self._chain_states(layer, kind) for kind in KINDS if (layer, kind) in self._chains}
         if R > 0:
             held[index] = {"bits": "recent", **extra, **{kind: self._encode(layer, x, kind, lambda h: self.policy.recent_bits,
@@ -299,7 +311,7 @@ class ReferenceCache(KVCache):
         record = self._frames[layer][index]
         if index in states:
             chain = self._chains[(layer, kind)]
-            return torch.stack([c.values(v, stored, self._sink_w(layer, kind, h))
+            return torch.stack([c.values(v, stored, self._reference_w(layer, kind, h))
                                 for h, (c, v, stored) in enumerate(zip(chain, states[index], record[kind]))], dim=1)
         return self._decode(layer, kind, record[kind], lambda h: self.stored_bits(layer, kind, h, index), index)
 
@@ -349,7 +361,7 @@ class ReferenceCache(KVCache):
                 if "coords" in stored:
                     total += stored["coords"].numel() * stored["coords"].element_size()
         total += sum(stored_nbytes(states) for states in self._span_states)
-        return total
+        return total + sum(stored_nbytes(s) for refs in self._references.values() for s in refs)
 
     def predicted_nbytes(self, num_appended: int, batch: int = 1) -> int:
         """Bytes this cache holds after `num_appended` frames, from the recipe alone (memory.py;
@@ -368,6 +380,7 @@ class ChainCodec:
         self._codes = FieldLayout(params.bits_D, device)
         self._anchors = FieldLayout(params.anchor_bits_D, device)
         self._sinks = FieldLayout(params.sink_bits_D, device) if params.has_sink else None
+        self._refs = FieldLayout(P.reference_bits(params), device) if params.has_sink else None
         self._modes: dict[int, FieldLayout] = {}  # tokens per frame -> 1-bit layout
 
     def _mode_layout(self, T: int) -> FieldLayout:
@@ -426,6 +439,13 @@ class ChainCodec:
 
     def sink_code(self, stored: dict[str, Tensor]) -> Tensor:
         return P.from_sink_fields(self._sinks.unpack(stored["sink"]), self.params)
+
+    def reference(self, w_BTD: Tensor) -> dict[str, Tensor]:
+        """A sink refresh's reference w * [b = 0] packed at widths z * [b = 0] (offset binary)."""
+        return {"reference": self._refs.pack(w_BTD + P.field_offset(P.reference_bits(self.params)))}
+
+    def reference_code(self, stored: dict[str, Tensor]) -> Tensor:
+        return self._refs.unpack(stored["reference"]) - P.field_offset(P.reference_bits(self.params))
 
     def values(self, v_BTD: Tensor, stored: dict[str, Tensor] | None = None, sink_w: Tensor | None = None) -> Tensor:
         """A frame's values from its states, or a sink frame's from its sink code; with hold bits,

@@ -256,6 +256,7 @@ CASES = [
     Case("budget-nan", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=nan"], ["fit.budget_bits", "finite"]),
     Case("anchor-reach-nan", ["task=calibrate", *TINY_MODEL, "fit.anchor_sd=nan"], ["fit.anchor_sd", "finite number > 0"]),
     Case("anchor-peak-negative", ["task=calibrate", *TINY_MODEL, "fit.anchor_peak_mult=-1"], ["fit.anchor_peak_mult", "finite number >= 0"]),
+    Case("refresh-negative", ["task=calibrate", *TINY_MODEL, "fit.sink_refresh=-1"], ["fit.sink_refresh", ">= 0 frames"]),
     Case("base-width-too-wide", ["task=calibrate", *TINY_MODEL, "fit.base_bits_max=3"], ["fit.base_bits_max", "[1, 2]"]),
     Case("budget-below-predictive-floor", ["task=calibrate", *TINY_MODEL, "fit.budget_bits=1.01"],
          ["fit.budget_bits=1.01", "window=16"]),

@@ -264,18 +264,33 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
 
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
 @pytest.mark.parametrize("temporal", [True, False])
-@pytest.mark.parametrize("scan,sink_bits,hold", [("matmul", 0.0, False), ("running_sum", 0.0, False), ("matmul", 6.0, False),
-                                                 ("running_sum", 6.0, False), ("matmul", 6.0, True)])
-def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, hold, monkeypatch):
-    """With and without a sink code (format 1.3: the sink frames in their own code), and with the
-    sink hold (format 1.4: hold bits compared byte for byte; it does not touch the scan, so one scan
-    suffices)."""
+@pytest.mark.parametrize("scan,sink_bits,hold,refresh", [("matmul", 0.0, False, 0), ("running_sum", 0.0, False, 0),
+                                                         ("matmul", 6.0, False, 0), ("running_sum", 6.0, False, 0),
+                                                         ("matmul", 6.0, True, 0), ("matmul", 6.0, True, 4)])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, hold, refresh,
+                                                           monkeypatch):
+    """With and without a sink code (format 1.3: the sink frames in their own code), with the sink
+    hold (format 1.4: hold bits compared byte for byte; it does not touch the scan, so one scan
+    suffices), and with its reference refreshed every 4 frames (format 1.5: the reference compared
+    byte for byte)."""
     if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
         monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
-    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits, hold=hold)
+    recipe = predictive_recipe(recent=recent, sink_bits=sink_bits, hold=hold, refresh=refresh)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal
     assert_chains_like_the_reference(recipe, "kv", window, sink, frames=30, seed=3)
+
+
+def assert_reference_equal(fast, ref, layer: int, kind: str) -> None:
+    """The sink refresh's held reference (format 1.5), unpacked code for code in both runtimes."""
+    refs = ref._references.get((layer, kind))
+    if refs is None:
+        return
+    store = getattr(fast.stores[layer], "predictive", fast.stores[layer])
+    i = store.kinds.index(kind)
+    w = store._reference_w(slice(0, store.T), None)[:, i * store.H:(i + 1) * store.H]  # [B, H, T, D]
+    for h, (c, stored) in enumerate(zip(ref._chains[(layer, kind)], refs)):
+        assert torch.equal(w[:, h], c.reference_code(stored)), (layer, kind, h)
 
 
 def assert_holds_equal(fast, ref, layer: int, kind: str, frame: int) -> None:
@@ -308,6 +323,7 @@ def assert_chains_like_the_reference(recipe, predictive: str, window: int, sink:
                 for frame, states in theirs.items():  # integer states: bitwise
                     assert torch.equal(mine[(kind, frame)], torch.stack(states, dim=1)), (f, layer, kind, frame)
                     assert_holds_equal(fast, ref, layer, kind, frame)
+                assert_reference_equal(fast, ref, layer, kind)
             for a, b in zip(fast.read(layer), ref.read(layer)):
                 assert_decoded_close(a, b)
         assert fast.nbytes() == ref.nbytes() == fast.predicted_nbytes(f + 1, batch=2)

@@ -351,7 +351,9 @@ def test_steps_that_would_cross_the_budget_are_not_taken(model, monkeypatch):
 
 def test_a_sink_code_is_fitted_within_the_budget_and_its_bytes_counted(model):
     """fit.sink_bits > 0: every tensor carries a sink code of at most that width, the budget still
-    holds with the sink's bytes (the runtime's own count), and frame 0 is held in it."""
+    holds with the sink's bytes (the runtime's own count), and frame 0 is held in it; with the
+    default sink hold and refresh (format 1.5), the reference's bits (the sink widths of the
+    uncoded components) are in the spec and in the bytes the budget holds."""
     recipe, record = calibration.fit(tiny_fit_config(sink_bits=6.0), model, CPU)
     assert record["sink_bits"] == 6.0 and record["bits_per_element"] <= 2.5 + 1e-9
     D = TINY_WORLD.head_dim
@@ -359,6 +361,9 @@ def test_a_sink_code_is_fitted_within_the_budget_and_its_bytes_counted(model):
         for kind in "kv":
             spec = recipe.spec(i, kind)
             assert spec.sink_token_bits is not None and all(0 < b <= 6 * D for b in spec.sink_token_bits)
+            t = recipe.layer_tensors(i, kind)
+            assert spec.sink_hold and spec.sink_refresh == 8
+            assert spec.refresh_token_bits == (t["sink_bits"] * (t["channel_bits"] == 0)).sum(-1).tolist()
     trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
     cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     rollout_batch(as_world(model), trajs, cache, CPU)

@@ -222,15 +222,18 @@ def test_logit_correction_matches_the_runtimes():
                                logit_inflation(q, var)[:, 0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sink_bits,hold", [(0.0, False), (6.0, False), (6.0, True)])
-def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_bits, hold):
+@pytest.mark.parametrize("sink_bits,hold,refresh", [(0.0, False, 0), (6.0, False, 0), (6.0, True, 0), (6.0, True, 4)])
+def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_bits, hold, refresh):
     """Every held frame of a predictive cache (deltas, anchors, the sink code) decodes to the
     runtime's states; the reader's sink code is the runtime's, byte for byte; with the sink hold
-    (format 1.4) its hold bits are the runtime's and its values the runtime's within the bound."""
+    (format 1.4) its hold bits are the runtime's and its values the runtime's within the bound;
+    with the sink refresh (format 1.5) the held reference is the reader's, byte for byte, each
+    frame's holds are chosen against the reference of its time and every frame decodes with the
+    current one."""
     from reference_runtime import ReferenceCache
     from test_runtime_predictive import H, L, predictive_recipe, sequence
 
-    recipe = predictive_recipe(recent=1, sink_bits=sink_bits, hold=hold)
+    recipe = predictive_recipe(recent=1, sink_bits=sink_bits, hold=hold, refresh=refresh)
     path = tmp_path / "pred.safetensors"
     save_recipe(recipe, path)
     meta, tensors = reader.read_recipe(path)
@@ -241,11 +244,20 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_b
         for layer in range(L):
             cache.append(layer, ks[f], vs[f], ropes[f])
     held_any = False
+    recent_x = lambda kind, g, h: (ks if kind == "k" else vs)[g][:, h].half().float().numpy()  # coded from its recent copy
     for layer in range(L):
         for kind in "kv":
             states = cache._chain_states(layer, kind)
             assert any("anchor" in cache._frames[layer][g][kind][0] for g in states)
             for h in range(H):
+                sink = {k: _np(t) for k, t in cache._frames[layer][0][kind][h].items()}
+                # the reference frame g's holds were chosen against: the latest refresh frame (a multiple of 4) up to g
+                reference = lambda g: reader.predictive_reference(recent_x(kind, g // refresh * refresh, h), tensors, layer,
+                                                                  kind, h) if refresh and g >= refresh else sink
+                current = sink
+                if refresh:  # the runtime's held reference: the last frame coded (28: frame 29 is recent) refreshed it
+                    current = reference(28)
+                    assert np.array_equal(current["reference"], _np(cache._references[(layer, kind)][h]["reference"]))
                 prev_frame, prev = None, None
                 for g in sorted(states):
                     stored = {k: _np(t) for k, t in cache._frames[layer][g][kind][h].items()}
@@ -264,13 +276,11 @@ def test_predictive_frames_decode_bit_identically_in_the_reader(tmp_path, sink_b
                         assert (np.abs(mine.astype(np.float64) - theirs) <= bound).all()
                         assert ("holds" in stored) == hold
                         if hold:  # x̂ + h where held: the runtime's values within the bound (and h's rounding)
-                            sink = {k: _np(t) for k, t in cache._frames[layer][0][kind][h].items()}
-                            mine = reader.predictive_held_values(mine, stored, sink, tensors, layer, kind, h)
+                            mine = reader.predictive_held_values(mine, stored, current, tensors, layer, kind, h)
                             theirs = _np(cache._load_kind(layer, kind, g, states)[:, h]).astype(np.float64)
                             assert np.abs(mine - theirs).max() <= bound.max() + 1e-6 * max(np.abs(theirs).max(), 1.0)
                             held_any |= bool(np.unpackbits(stored["holds"]).any())
-                            x = (ks if kind == "k" else vs)[g][:, h].half().float().numpy()  # coded from its recent copy
-                            hold_bits = reader.predictive_hold(x, sink, tensors, layer, kind, h)
+                            hold_bits = reader.predictive_hold(recent_x(kind, g, h), reference(g), tensors, layer, kind, h)
                             packed = reader.pack_fields(hold_bits.astype(np.int64), [1] * hold_bits.shape[-1])
                             assert np.array_equal(packed, stored["holds"]), (layer, kind, h, g)
                     prev_frame, prev = g, v

@@ -549,6 +549,40 @@ def test_golden_sink_hold(row):
     assert reader.predictive_held_values(x_hat, mine, sink_np, tensors, 0, "v", 0).flatten().tolist() == decoded
 
 
+def test_golden_sink_refresh():
+    """The sink refresh (format 1.5), frame by frame: the reference (its byte), each frame's hold
+    and the h a held token takes, in the reference math, both runtimes' codecs and the reader."""
+    from calibrate.fast_chain_code import ChainCode
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import predictive as P
+    from reference_runtime import ChainCodec
+
+    roles = _golden_predictive_roles() | {"channel_bits": torch.tensor([[2, 0]]), "anchor_bits": torch.tensor([[3, 0]]),
+                                          "sink_unit": torch.tensor([[0.125, 0.125]]), "sink_bits": torch.tensor([[5, 4]])}
+    p = head_params(roles, 0)
+    oracle, code = ChainCodec(p, hold=True), ChainCode([roles], "cpu", hold=True, refresh=2)
+    tensors = {f"layers.0.v.{r}": t.numpy() for r, t in roles.items()}
+    rows = golden("Sink refresh")
+    assert [int(r[0]) for r in rows] == list(range(len(rows)))
+    ref = None
+    for f, x_cell, packed, hold, h in rows:
+        x, f = _floats(x_cell), int(f)
+        if f == 0 or P.is_refresh_frame(f, 2, 1):
+            ref = P.reference_code(x, p)
+            assert torch.equal(ref, P.sink_code(x, p) * (p.bits_D == 0))
+            mine = reader.predictive_reference(x.numpy(), tensors, 0, "v", 0)
+        assert oracle.reference(ref)["reference"].flatten().tolist() == list(bytes.fromhex(packed))
+        out = torch.zeros(1, code.reference_layout.nbytes, 1, dtype=torch.uint8)
+        code.pack_sink(ref[:, :, None], out, reference=True)  # [B, T, G, D] -> [B, Cr, T]
+        assert out.flatten().tolist() == list(bytes.fromhex(packed))
+        assert mine["reference"].flatten().tolist() == list(bytes.fromhex(packed))
+        assert torch.equal(code.sink_code_of(out[:, None], reference=True)[:, 0, 0], ref)
+        if hold:
+            assert P.sink_hold(x, ref, p).item() == (hold == "1")
+            assert reader.predictive_hold(x.numpy(), mine, tensors, 0, "v", 0).flatten().tolist() == [hold == "1"]
+        assert P.sink_hold_part(ref, p).flatten().tolist() == [float(v) for v in h.split()]
+
+
 def _golden_predictive_recipe() -> Recipe:
     roles = _golden_predictive_roles()
     spec = TensorSpec(bits=2, kind="predictive", rotation="learned", token_bits=[3], anchor_token_bits=[5])

@@ -13,7 +13,7 @@ from calibrate.recipe import LayerSpec, Recipe, RecipeError, Scheme, TensorSpec,
 from calibrate.fastcache import FastKVCache
 from calibrate.types import ModelInfo
 from reference_runtime import ReferenceCache
-from toys import predictive_roles
+from toys import predictive_roles, refresh_fields
 
 L, H, T, D = 2, 2, 4, 16
 
@@ -40,9 +40,9 @@ def sequence(num_frames=40, B=2, seed=0):
     return ks, vs, ropes
 
 
-def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_bits=0.0, hold=False):
+def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_bits=0.0, hold=False, refresh=0):
     """A predictive recipe fitted to `sequence`-like data; `sink_bits` > 0: with a sink code, and
-    `hold`: with the sink hold (format 1.4)."""
+    `hold`: with the sink hold (format 1.4), `refresh` > 0 its reference refreshed (format 1.5)."""
     ks, vs, _ = sequence(60, seed=seed + 100)
     tensors, layers = {}, []
     for i in range(L):
@@ -56,7 +56,7 @@ def predictive_recipe(pre_rotary=True, recent=0, seed=0, name="toy-pred", sink_b
                                      token_bits=roles["channel_bits"].sum(-1).tolist(),
                                      anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
                                      sink_token_bits=roles["sink_bits"].sum(-1).tolist() if sink_bits else None,
-                                     sink_hold=hold)
+                                     sink_hold=hold, **refresh_fields(roles, refresh))
         layers.append(LayerSpec(**specs))
     info = ModelInfo("toy", L, H, D, T, "f" * 16)
     return Recipe(info, Scheme(name, layers, TokenPolicy(sink_frames=1, sink_bits=16, recent_frames=recent)), tensors)
@@ -178,6 +178,34 @@ def test_a_sink_hold_round_trips_and_needs_a_sink_code(tmp_path):
     one = predictive_recipe(sink_bits=6.0, hold=True)
     one.scheme.layers[1].v.sink_hold = False
     assert fast_path_problem(one) == "layer 1: predictive K and V, one with a sink hold ('sink_hold') and one without"
+
+
+def test_a_sink_refresh_round_trips_and_needs_a_sink_hold(tmp_path):
+    """Format 1.5: `sink_refresh` and `refresh_token_bits` are written when set (left out at their
+    defaults) and read back; refused without a sink hold, with one field but not the other, and with
+    token bits that are not the sink widths of the uncoded components; one period per fast layer."""
+    from calibrate.fastcache import fast_path_problem
+
+    recipe = predictive_recipe(sink_bits=6.0, hold=True, refresh=8)
+    save_recipe(recipe, tmp_path / "r.safetensors")
+    again = load_recipe(tmp_path / "r.safetensors")
+    assert again.spec(0, "k").sink_refresh == 8 and again.spec(0, "k").refresh_token_bits == recipe.spec(0, "k").refresh_token_bits
+    layer = json.loads(again.scheme.to_json())["layers"][0]["v"]
+    assert layer["sink_refresh"] == 8 and len(layer["refresh_token_bits"]) == H
+    plain = json.loads(predictive_recipe(sink_bits=6.0, hold=True).scheme.to_json())["layers"][0]["v"]
+    assert "sink_refresh" not in plain and "refresh_token_bits" not in plain
+    cases = [(lambda s: setattr(s, "sink_hold", False), "sink_refresh: refreshes the sink hold's reference, so it needs sink_hold"),
+             (lambda s: setattr(s, "refresh_token_bits", None), "sink_refresh: a refreshed reference"),
+             (lambda s: setattr(s, "refresh_token_bits", [b + 1 for b in s.refresh_token_bits]), "the spec's refresh_token_bits says")]
+    for change, message in cases:
+        bad = predictive_recipe(sink_bits=6.0, hold=True, refresh=8)
+        change(bad.scheme.layers[0].k)
+        with pytest.raises(RecipeError, match=message):
+            save_recipe(bad, tmp_path / "bad.safetensors")
+        assert not (tmp_path / "bad.safetensors").exists()
+    one = predictive_recipe(sink_bits=6.0, hold=True, refresh=8)
+    one.scheme.layers[1].v.sink_refresh = 4
+    assert fast_path_problem(one) == "layer 1: predictive K and V with different 'sink_refresh'"
 
 
 def test_pre_rotary_recipe_needs_rotary_coordinates():

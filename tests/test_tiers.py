@@ -20,7 +20,7 @@ from calibrate.fastcache import FastKVCache
 from reference_runtime import ReferenceCache
 from calibrate.tiers import SLOT_BASE, host_count, nearest, predicted_host_bytes, slot_nbytes, steady_device_bytes
 from calibrate.types import ModelInfo
-from toys import predictive_roles
+from toys import predictive_roles, refresh_fields
 
 L, H, T, D = 2, 2, 4, 16
 INFO = ModelInfo("toy", L, H, D, T, "f" * 16)
@@ -49,9 +49,9 @@ def frames(poses_NB3, seed=0):
     return out
 
 
-def predictive_recipe(pre_rotary=True, temporal=True, hold=False):
+def predictive_recipe(pre_rotary=True, temporal=True, hold=False, refresh=0):
     """A predictive recipe fitted to `frames`-like data (2 layers, 2 heads); `hold`: with a sink code
-    and the sink hold (format 1.4)."""
+    and the sink hold (format 1.4), `refresh` > 0 its reference refreshed (format 1.5)."""
     data = frames(torch.zeros(60, 2, 3), seed=7)
     tensors, layers = {}, []
     for i in range(L):
@@ -64,7 +64,8 @@ def predictive_recipe(pre_rotary=True, temporal=True, hold=False):
                                      rotary_coords=3 if (kind == "k" and pre_rotary) else 0,
                                      token_bits=roles["channel_bits"].sum(-1).tolist(),
                                      anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
-                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if hold else None, sink_hold=hold)
+                                     sink_token_bits=roles["sink_bits"].sum(-1).tolist() if hold else None, sink_hold=hold,
+                                     **refresh_fields(roles, refresh))
         layers.append(LayerSpec(**specs))
     return Recipe(INFO, Scheme("toy-pred", layers, TokenPolicy(sink_frames=0)), tensors)
 
@@ -212,6 +213,7 @@ def test_evicted_frames_keep_their_codes_bit_exact(make):
 @pytest.mark.parametrize("make,reuse", [(lambda: predictive_recipe(), "resident"),
                                         (lambda: predictive_recipe(pre_rotary=False), "none"),
                                         (lambda: predictive_recipe(hold=True), "resident"),
+                                        (lambda: predictive_recipe(hold=True, refresh=4), "resident"),
                                         (lambda: per_frame_recipe(2), "resident"),
                                         (lambda: per_frame_recipe(16), "none")])
 def test_measured_device_and_host_bytes_equal_predicted(make, reuse, runtime):
@@ -303,7 +305,8 @@ def host_states(cache, layer: int, frame: int) -> dict:
 
 @pytest.mark.parametrize("make", [lambda: predictive_recipe(), lambda: predictive_recipe(pre_rotary=False),
                                   lambda: predictive_recipe(temporal=False), lambda: predictive_recipe(hold=True),
-                                  lambda: predictive_recipe(temporal=False, hold=True), lambda: per_frame_recipe(2),
+                                  lambda: predictive_recipe(temporal=False, hold=True),
+                                  lambda: predictive_recipe(hold=True, refresh=4), lambda: per_frame_recipe(2),
                                   lambda: per_frame_recipe(16)])
 @pytest.mark.parametrize("reuse", ["resident", "none"])
 def test_the_fast_runtime_runs_a_plan_as_the_reference(make, reuse):

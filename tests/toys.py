@@ -117,3 +117,11 @@ def predictive_roles(x_BHFTD: torch.Tensor, bits: float = 2.0, sink_bits: float 
         d = (x_BHFTD[:, h, 1:] - x_BHFTD[:, h, :-1]).reshape(-1, D)
         params.append(fit_head(mean, cov, d.T @ d / len(d), bits, sink_bits=sink_bits))
     return stack_heads(params)
+
+
+def refresh_fields(roles, refresh: int) -> dict:
+    """A spec's sink refresh fields (format 1.5) for a period `refresh` (0: none)."""
+    if not refresh:
+        return {}
+    return {"sink_refresh": refresh,
+            "refresh_token_bits": (roles["sink_bits"] * (roles["channel_bits"] == 0)).sum(-1).tolist()}

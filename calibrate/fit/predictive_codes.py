@@ -90,11 +90,14 @@ class TensorFit:
 
     def spec(self, cfg: FitConfig, rotary_coords: int) -> tuple[TensorSpec, dict[str, Tensor]]:
         roles = predictive_roles.stack_heads(self.params(cfg))
+        hold = cfg.sink_hold and "sink_bits" in roles
         spec = TensorSpec(bits=2, kind="predictive", rotation="learned", rotary_coords=rotary_coords,
                           token_bits=roles["channel_bits"].sum(-1).tolist(),
                           anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
                           sink_token_bits=roles["sink_bits"].sum(-1).tolist() if "sink_bits" in roles else None,
-                          sink_hold=cfg.sink_hold and "sink_bits" in roles, temporal=cfg.temporal)
+                          sink_hold=hold, sink_refresh=cfg.sink_refresh if hold else 0,
+                          refresh_token_bits=(roles["sink_bits"] * (roles["channel_bits"] == 0)).sum(-1).tolist()
+                          if hold and cfg.sink_refresh else None, temporal=cfg.temporal)
         return spec, roles
 
 

@@ -51,7 +51,7 @@ from calibrate.fit.predictive_codes import (KINDS, HeadCode, TensorFit, assemble
                                             stat_kind, tensor_fit, trace_peaks, traced)
 from calibrate.memory import (bits_per_element, fp16_cache_bytes, predicted_cache_bytes, predictive_head_bytes,
                               steady_phases, steady_state_frames)
-from calibrate.quant.predictive import MAX_BITS
+from calibrate.quant.predictive import MAX_BITS, reference_bits
 from calibrate.recipe import LayerSpec, ModelInfo, Recipe, Scheme, TensorSpec, TokenPolicy
 from calibrate.stats import KVStats
 
@@ -327,9 +327,9 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
     delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
 
     def head_bytes(p) -> int:
-        sink = (int(p.sink_bits_D.sum()), sink_frames) if p.has_sink else (0, 0)
-        return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1,
-                                     T, D, *sink, cfg.sink_hold and p.has_sink)
+        refresh = int(reference_bits(p).sum()) * bool(cfg.sink_hold and cfg.sink_refresh) if p.has_sink else 0
+        sink = (int(p.sink_bits_D.sum()), sink_frames, cfg.sink_hold, refresh) if p.has_sink else ()
+        return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1, T, D, *sink)
 
     def ups(layer: int) -> dict[str, list[HeadCode]]:
         return {kind: [replace(c, avg_bits=min(c.avg_bits + step, MAX_AVG_BITS)) for c in fits[layer][kind].heads]

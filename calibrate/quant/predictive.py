@@ -33,6 +33,13 @@ camera), and K/V of one head live in a few principal directions. This code explo
    value at the same token, h = (z_unit * w * [b = 0]) @ R^T added to its reconstruction. The
    encoder sets it where that is nearer: sum over uncoded i of g_i (g_i - 2 u_i) < 0, g = z_unit * w
    of the sink's token, u = (x - mean) @ R (ties: no hold). States, and so the chain, are unchanged.
+7. **Sink refresh** (optional, with a sink hold; period P). The scene drifts away from frame 0
+   even under a still camera, so the hold's source is refreshed: when frame f >= P with f % P = 0
+   is coded (after the sink frames), its uncoded components in the sink code (`reference_code`:
+   w_i * [b_i = 0], stored at widths z_i * [b_i = 0]) become the *reference*, replacing the one
+   before; the hold of every later frame, and of frame f itself, is chosen against it, and every
+   held token in the cache, of any frame, takes h from the current reference. Before the first
+   refresh the reference is the sink frame's code.
 
 Arithmetic (recipes/FORMAT.md states it as the normative spec): float32; tau = u / unit with true
 division; codes c = clamp(rne((t / s + n) / 2), lo, hi) with t = tau (intra) or tau - v' (inter),
@@ -204,6 +211,22 @@ def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     u = (x_BTD.float() - p.mean_D) @ p.rotation_DD
     g = p.sink_unit_D * w_BTD.float() * (p.bits_D == 0)
     return (g * (g - 2 * u)).sum(-1) < 0
+
+
+def is_refresh_frame(index: int, period: int, sink_frames: int) -> bool:
+    """Frame `index` refreshes the sink hold's reference (period P > 0): index >= max(P, sink_frames)
+    and index % P == 0."""
+    return period > 0 and index >= max(period, sink_frames) and index % period == 0
+
+
+def reference_bits(p: PredictiveParams) -> Tensor:
+    """The refresh reference's widths [D]: z_i * [b_i = 0] (the sink code's, uncoded components only)."""
+    return p.sink_bits_D * (p.bits_D == 0)
+
+
+def reference_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
+    """A refresh frame's reference w * [b = 0] [B, T, D] int64 (w: `sink_code`)."""
+    return sink_code(x_BTD, p) * (p.bits_D == 0)
 
 
 def held_values(x_BTD: Tensor, hold_BT: Tensor, h_BTD: Tensor) -> Tensor:
