@@ -49,6 +49,15 @@ def shipped_setup(model: str, recipe_path: str | None = None, device=None):
         raise ValueError(str(err)) from None
 
 
+def sink_code_setup(model: str, recipe_path: str | None, use: str):
+    """`shipped_setup` for a study of the sink code's uses (`use`: what it does with it): ValueError in
+    one line also when the recipe has no sink code (format 1.3)."""
+    cfg, world, path, recipe = shipped_setup(model, recipe_path)
+    if recipe.tensor(0, "k", "sink_unit") is None:
+        raise ValueError(f"{path} has no sink code (format 1.3) {use}")
+    return cfg, world, path, recipe
+
+
 def window_note(label: str, frames: int) -> str:
     """" (the nominal label: frames a-b here)" when a window `label` "a-c" is cut short by a rollout
     of `frames` frames (metrics.window_means keeps the nominal label), else ""."""

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, shipped_setup, window_note, write_report
+from benchmarks import command_line, sink_code_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate.quant import predictive as P
 from calibrate.world.trajectories import make_trajectories
@@ -86,26 +86,33 @@ def rule_cache(recipe, window: int, sinks: int, rule: str) -> FakePredictiveCach
     return cache
 
 
-def markdown(results: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
+def variant_table(results: dict, frames: int, first: str = "variant", extra: dict | None = None) -> list[str]:
+    """The studies' table (this one's and refresh_study's): per variant (`results`: name -> family ->
+    `roll_variant`'s row) its PSNR on the last window / its twin's, SQNR per family, the mean of each
+    window and the flicker; `extra` {name: cell} adds a column after the first."""
     fams = list(next(iter(results.values())))
     windows = list(next(iter(results.values()))[fams[0]]["scheme"])
     late = windows[-1]
-    lines = ["# Taking uncoded components from the sink frame: which rule pays", "",
-             f"Command: `{command}`, {minutes:.1f} min on this 2-core CPU (torch threads {torch.get_num_threads()}). "
-             f"`{recipe}`, {frames} frames, the variants in `benchmarks/sink_hold_study.py`'s docstring; bits of "
-             "the choices not counted.", "",
-             f"PSNR vs the fp rollout, frames {late}{window_note(late, frames)}: variant / its noise twin; "
-             "SQNR = stored K / V dB, mean over layers.", "",
-             "| variant | " + " | ".join(fams) + " | mean | " + " | ".join(f"mean {w}" for w in windows[:-1]) + " | flicker |",
-             "|---|" + "---|" * (len(fams) + len(windows) + 1)]
+    head = [first] + (["bits (recipe + refresh)"] if extra else []) + fams + ["mean"] + [f"mean {w}" for w in windows[:-1]]
+    lines = [f"PSNR vs the fp rollout, frames {late}{window_note(late, frames)}: variant / its noise twin; "
+             "SQNR = stored K / V dB, mean over layers.", "", "| " + " | ".join(head + ["flicker"]) + " |",
+             "|" + "---|" * (len(head) + 1)]
     for name, res in results.items():
         cells = [f"{res[f]['scheme'][late]:.1f} / {res[f]['twin'][late]:.1f}; SQNR {res[f]['sqnr_k']:.1f} / "
                  f"{res[f]['sqnr_v']:.1f}" for f in fams]
         means = [sum(res[f]["scheme"][w] for f in fams) / len(fams) for w in windows]
         flick = sum(res[f]["flicker"] for f in fams) / len(fams)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {means[-1]:.2f} | " +
-                     " | ".join(f"{m:.2f}" for m in means[:-1]) + f" | {flick:.5f} |")
-    return "\n".join(lines + [""])
+        lines.append(f"| {name} | " + (f"{extra[name]} | " if extra else "") + " | ".join(cells) +
+                     f" | {means[-1]:.2f} | " + " | ".join(f"{m:.2f}" for m in means[:-1]) + f" | {flick:.5f} |")
+    return lines
+
+
+def markdown(results: dict, command: str, minutes: float, frames: int, recipe: str) -> str:
+    lines = ["# Taking uncoded components from the sink frame: which rule pays", "",
+             f"Command: `{command}`, {minutes:.1f} min on this 2-core CPU (torch threads {torch.get_num_threads()}). "
+             f"`{recipe}`, {frames} frames, the variants in `benchmarks/sink_hold_study.py`'s docstring; bits of "
+             "the choices not counted.", ""]
+    return "\n".join(lines + variant_table(results, frames) + [""])
 
 
 def main(argv=None) -> int:
@@ -123,12 +130,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     device = torch.device("cpu")
     try:
-        cfg, world, path, recipe = shipped_setup(args.model, None, device)
+        cfg, world, path, recipe = sink_code_setup(args.model, None, "to take values from")
     except ValueError as err:
         print(f"sink_hold_study: {err}", file=sys.stderr)
-        return 2
-    if recipe.tensor(0, "k", "sink_unit") is None:
-        print(f"sink_hold_study: {path} has no sink code (format 1.3) to take values from", file=sys.stderr)
         return 2
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     trajs = make_trajectories(FIT_ORDER, "evaluation", 7, args.frames)
