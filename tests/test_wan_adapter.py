@@ -16,6 +16,8 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # no
 from calibrate.adapters import wan_diffusers as wan  # noqa: E402
 from calibrate.adapters.wan_diffusers import WanSettings  # noqa: E402
 from calibrate.cache import KVCache, block_mask  # noqa: E402
+from calibrate.memory import (bits_per_element, fp16_cache_bytes, predicted_cache_bytes,  # noqa: E402
+                              steady_state_frames)
 from calibrate.recipe import load_recipe  # noqa: E402
 from calibrate.world.trajectories import make_trajectories  # noqa: E402
 
@@ -170,7 +172,13 @@ def test_cli_stats_fit_recipe_evaluate_check_on_wan(tmp_path):
     report = json.loads((tmp_path / "cal" / "report.json").read_text())
     memory = report["schemes"]["ours"]["memory"]
     assert memory["bytes"] == memory["predicted_bytes"]  # packed bytes measured from the tensors
-    assert memory["bits_per_element"] <= 2.5 + 1e-9
+    # the budget holds at the steady state (memory.py); 24 frames in chunks of 2 never fill the window
+    # of 16 + 1, so the rollout's per-element bits (the sink code and the sink refresh's reference
+    # over fewer frames) are no budget: its bytes stay below the steady state's, which is within it
+    assert bits_per_element(recipe.model, recipe.scheme, 16, 1) <= 2.5 + 1e-9
+    batch = memory["fp16_bytes"] // fp16_cache_bytes(recipe.model, 12, 16, 1)
+    steady = steady_state_frames(16, 1)
+    assert memory["peak_bytes"] <= predicted_cache_bytes(recipe.model, recipe.scheme, steady, 16, 1, batch)
 
     # the check replays the set the recipe recorded its metrics on (2 x 24 frames), not check.yaml's 4 x 128
     check = calibrate("task=check", "model=wan_diffusers", "model.wan.denoise_timesteps=[1000,500]",
