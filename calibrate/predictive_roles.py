@@ -45,11 +45,9 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
     """Invariants of one layer's K or V roles (shapes are checked by the loader before)."""
     if sink_token_bits is not None:
         check_sink(tensors, sink_token_bits, prefix)
-    if refresh_token_bits is not None:
-        ref = tensors["sink_bits"] * (tensors["channel_bits"] == 0)  # quant/predictive.reference_bits
-        if ref.sum(-1).tolist() != list(refresh_token_bits):
-            raise ValueError(f"tensors '{prefix}.sink_bits' where channel_bits is 0 sum to {ref.sum(-1).tolist()} per "
-                             f"head, the spec's refresh_token_bits says {list(refresh_token_bits)}")
+    if refresh_token_bits is not None and reference_token_bits(tensors) != list(refresh_token_bits):
+        raise ValueError(f"tensors '{prefix}.sink_bits' where channel_bits is 0 sum to {reference_token_bits(tensors)} "
+                         f"per head, the spec's refresh_token_bits says {list(refresh_token_bits)}")
     for role in FLOAT_ROLES:
         t = tensors[role]
         if t.dtype != torch.float32 or not torch.isfinite(t).all():
@@ -79,6 +77,12 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
     if anchor.sum(-1).tolist() != list(anchor_token_bits):
         raise ValueError(f"tensor '{prefix}.anchor_bits' sums to {anchor.sum(-1).tolist()} per head, "
                          f"the spec's anchor_token_bits says {list(anchor_token_bits)}")
+
+
+def reference_token_bits(tensors: Mapping[str, Tensor]) -> list[int]:
+    """The sink refresh's reference bits per token of each head (format 1.5): the sink widths of the
+    uncoded components (quant/predictive.reference_bits), summed."""
+    return (tensors["sink_bits"] * (tensors["channel_bits"] == 0)).sum(-1).tolist()
 
 
 def check_sink(tensors: Mapping[str, Tensor], sink_token_bits: list[int], prefix: str) -> None:

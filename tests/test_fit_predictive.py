@@ -363,7 +363,7 @@ def test_a_sink_code_is_fitted_within_the_budget_and_its_bytes_counted(model):
             assert spec.sink_token_bits is not None and all(0 < b <= 6 * D for b in spec.sink_token_bits)
             t = recipe.layer_tensors(i, kind)
             assert spec.sink_hold and spec.sink_refresh == 8
-            assert spec.refresh_token_bits == (t["sink_bits"] * (t["channel_bits"] == 0)).sum(-1).tolist()
+            assert spec.refresh_token_bits == (t["sink_bits"] * (t["channel_bits"] == 0)).sum(-1).tolist()  # by hand
     trajs = make_trajectories(["orbit"], "evaluation", 1, 40)
     cache = ReferenceCache.from_recipe(recipe, window=16, sink_frames=1)
     rollout_batch(as_world(model), trajs, cache, CPU)

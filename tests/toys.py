@@ -11,7 +11,7 @@ import torch
 from calibrate.cache import Rope
 from calibrate.config import Config, FitConfig, TrajectoriesConfig
 from calibrate.fit.predictive import fit_head
-from calibrate.predictive_roles import stack_heads
+from calibrate.predictive_roles import reference_token_bits, stack_heads
 from calibrate.quant.rotation import random_hadamard
 from calibrate.recipe import ModelInfo, Recipe, TensorSpec, TokenPolicy, expected_shapes, uniform_scheme, validate
 from calibrate.world.model import TinyWorld, TinyWorldConfig
@@ -123,5 +123,4 @@ def refresh_fields(roles, refresh: int) -> dict:
     """A spec's sink refresh fields (format 1.5) for a period `refresh` (0: none)."""
     if not refresh:
         return {}
-    return {"sink_refresh": refresh,
-            "refresh_token_bits": (roles["sink_bits"] * (roles["channel_bits"] == 0)).sum(-1).tolist()}
+    return {"sink_refresh": refresh, "refresh_token_bits": reference_token_bits(roles)}

@@ -96,8 +96,8 @@ class TensorFit:
                           anchor_token_bits=roles["anchor_bits"].sum(-1).tolist(),
                           sink_token_bits=roles["sink_bits"].sum(-1).tolist() if "sink_bits" in roles else None,
                           sink_hold=hold, sink_refresh=cfg.sink_refresh if hold else 0,
-                          refresh_token_bits=(roles["sink_bits"] * (roles["channel_bits"] == 0)).sum(-1).tolist()
-                          if hold and cfg.sink_refresh else None, temporal=cfg.temporal)
+                          refresh_token_bits=predictive_roles.reference_token_bits(roles) if hold and cfg.sink_refresh
+                          else None, temporal=cfg.temporal)
         return spec, roles
 
 
