@@ -20,6 +20,8 @@ at a time at the same budget:
                          components of every frame decode to the mean, never to the sink's values
     ours_no_refresh      the sink hold's reference never refreshed (fit.sink_refresh=0, the
                          previous release): held tokens take the sink frame's uncoded components
+    ours_refresh4, ours_refresh16  (a sweep, not ablations) the reference refreshed every 4 or 16
+                         frames instead of 8
     ours_no_mixed        no mixed precision (every head at the base width)
     ours_no_refine       the step multipliers of the base width kept after mixed precision
                          (fit.refine_steps=false, the previous release)
@@ -112,6 +114,8 @@ ABLATIONS = {
     "ours_sink_hold": {"sink_hold": True},  # the default since sink_hold.md: equals ours
     "ours_no_sink_hold": {"sink_hold": False},
     "ours_no_refresh": {"sink_refresh": 0},
+    "ours_refresh4": {"sink_refresh": 4},
+    "ours_refresh16": {"sink_refresh": 16},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")
