@@ -254,16 +254,18 @@ class ChainStore(ChainHostTier):
             tokens = slice(t0, min(t0 + block, self.T))
             sink_w = self._sink_code(pre_sinks, tokens)
             states = self.scan(chain_pre, tokens, sink_w) if chain_pre else None
-            v_e = None
+            v_e = ref_w = None  # ref_w: the sink hold's reference after this step's commit, once unpacked
             if pending is not None:
                 v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]
                 self.code.pack_anchor(v_out, self._evicted[1]["anchor"][..., tokens])
             if commit:
                 x = torch.cat([token_block(kv[0], tokens) if kind == "k" else kv[1][:, :, tokens]
                                for kind in self.kinds], dim=1)  # K then V: [B, G, Tb, D]
-                if not code_e and e > 0 and self.code.refresh:  # leaves the recent window evicted: it still refreshes
-                    self._refresh(e, self.recent[:, :, e % self.R, tokens].float(), tokens, sink_w)
-                v_e = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post, sink_w)
+                if not code_e and is_refresh_frame(e, self.code.refresh, self.sink):  # evicted uncoded: it still refreshes
+                    ref_w = self._set_reference(self.recent[:, :, e % self.R, tokens].float(), tokens)
+                v_e, coded_ref = self._commit(index, x, tokens, states, chain_pre, e if code_e else None, prev, anchor_post,
+                                              sink_w)
+                ref_w = ref_w if coded_ref is None else coded_ref
             if not decode:
                 continue
             kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
@@ -273,29 +275,35 @@ class ChainStore(ChainHostTier):
             if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
                 sink_w = self._sink_code(hist_sinks, tokens)
             held = None  # the sink hold: (hold bits of the history's chain frames, the reference's part)
-            ref_w = self._reference_w(tokens, sink_w) if self.code.hold and kept is not None else None
-            if ref_w is not None:
-                held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(ref_w)
+            if self.code.hold and kept is not None:
+                ref_w = self._reference_w(tokens, sink_w) if ref_w is None else ref_w
+                if ref_w is not None:
+                    held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(ref_w)
             yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
         if commit:
             self.anchor_frame = anchor_post
 
     def _commit(self, index, x_BGTD, tokens, states, chain_pre, e, prev, anchor_post, sink_w):
         """Code frame e for `tokens` (x: the new frame's tokens), store the new frame, re-anchor;
-        returns e's states [B, G, Tb, D]. `sink_w`: the held sink frames' codes (the sink hold's source)."""
-        v_e = None
+        returns (e's states [B, G, Tb, D], the sink hold's reference w [B, G, Tb, D] e was coded
+        against or set, else None). `sink_w`: the held sink frames' codes (the sink hold's source)."""
+        v_e = ref_w = None
         if e is not None:
             x_e = self.recent[:, :, e % self.R, tokens].float() if self.R else x_BGTD
             if e < self.S:  # a sink frame: the sink code (the first: the sink hold's reference)
                 w, v_e = self.code.encode_sink(x_e)
                 self.code.pack_sink(w.permute(0, 2, 1, 3), self.sinks[:, e, :, tokens])
                 if e == 0 and self.code.refresh:
-                    self.code.pack_sink((w * self.code.uncoded).permute(0, 2, 1, 3), self.reference[..., tokens], reference=True)
+                    ref_w = self._set_reference(x_e, tokens)
             else:
                 v_prev = None
                 if prev is not None:
                     v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
-                hold = self.code.encode_hold(x_e, self._refresh(e, x_e, tokens, sink_w)) if self.code.hold else None
+                hold = None
+                if self.code.hold:  # against e's own reference if it is a refresh frame
+                    refresh = is_refresh_frame(e, self.code.refresh, self.sink)
+                    ref_w = self._set_reference(x_e, tokens) if refresh else self._reference_w(tokens, sink_w)
+                    hold = self.code.encode_hold(x_e, ref_w)
                 v_e = self._store_delta(e, tokens, *self.code.encode(x_e, v_prev), hold)
         if self.R:
             self.recent[:, :, index % self.R, tokens] = x_BGTD.to(FP)
@@ -305,13 +313,12 @@ class ChainStore(ChainHostTier):
             else:
                 v_a = self.code.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
             self.code.pack_anchor(v_a, self.anchor[..., tokens])
-        return v_e
+        return v_e, ref_w
 
-    def _refresh(self, e: int, x_e: Tensor, tokens: slice, sink_w: Tensor | None) -> Tensor | None:
-        """The reference e's hold is chosen against: its own if it is a refresh frame (then held)."""
-        if not is_refresh_frame(e, self.code.refresh, self.sink):
-            return self._reference_w(tokens, sink_w)
-        w = self.code.encode_reference(x_e)
+    def _set_reference(self, x_BGTD: Tensor, tokens: slice) -> Tensor:
+        """Hold the sink-code reference of a frame's `tokens` (the sink frame, or a refresh frame);
+        returns its code w [B, G, Tb, D]."""
+        w = self.code.encode_reference(x_BGTD)
         self.code.pack_sink(w.permute(0, 2, 1, 3), self.reference[..., tokens], reference=True)
         return w
 

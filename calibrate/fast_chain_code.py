@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from calibrate.fast_blocks import unpack_token_bits
 from calibrate.quant import predictive
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.chainscan import segmented_states
@@ -64,11 +65,10 @@ class ChainCode:
                                                   self.s_intra[:, None], self.s_inter[:, None], anchor_bits[:, None],
                                                   *((self.sink_unit[:, None], sink_bits[:, None]) if self.has_sink
                                                     else (None, None)))
-        if refresh:  # the reference: the sink code's uncoded components (quant/predictive.reference_bits)
-            reference_bits = sink_bits * (bits == 0)
+        if refresh:  # the reference: the sink code's uncoded components
+            reference_bits = predictive.reference_bits(self.params)[:, 0]  # [G, D]
             self.reference_layout = RowLayout.concat(reference_bits.tolist(), device)
             self.reference_offset = predictive.field_offset(reference_bits)
-            self.uncoded = (bits == 0)[:, None, :]  # [G, 1, D]
         self.codes_layout = RowLayout.concat(bits.tolist(), device)
         self.anchor_layout = RowLayout.concat(anchor_bits.tolist(), device)
         # coded components first per head (see the module docstring)
@@ -95,7 +95,6 @@ class ChainCode:
         unit_c = pick(self.unit)  # [G, Dc]
         rows = torch.gather(self.rotation.transpose(-1, -2), 1, self.comp[..., None].expand(-1, -1, self.D))  # R^T rows
         self.decode = (unit_c[..., None] * rows).contiguous()  # [G, Dc, D]
-        self.bit_shift_u8 = torch.arange(8, dtype=torch.uint8, device=device)
         self._scan_core, self._values_core = self._scan, self._values
 
     def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
@@ -114,8 +113,7 @@ class ChainCode:
         dtype = torch.float32 if J < 256 else torch.float64
         c = c.view(B, J, self.G, self.Dc, Tb).permute(0, 4, 2, 1, 3)  # [B, Tb, G, J, Dc]
         k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
-        bits = (modes.unsqueeze(-1) >> self.bit_shift_u8) & 1
-        reset = (bits.flatten(-2)[..., :Tb] == 0).permute(0, 3, 2, 1)  # [B, Tb, G, J]
+        reset = (~unpack_token_bits(modes, slice(0, Tb))).permute(0, 3, 2, 1)  # [B, Tb, G, J]: intra tokens
         S = 0 if sinks is None else sinks.shape[-2]
         if anchor is not None or S:
             reset = reset.clone()

@@ -49,6 +49,8 @@ class ChainHostTier:
             else:  # intra frames: a scan without predecessors
                 modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
-            ref_w = self._reference_w(tokens, self._sink_code(self.S, tokens)) if self.code.hold else None
+            ref_w = None  # the sink hold's reference (the sink's code is unpacked only when it is the reference)
+            if self.code.hold:
+                ref_w = self._reference_w(tokens, None if self.code.refresh else self._sink_code(self.S, tokens))
             held = None if ref_w is None else (self._holds(self.slots["holds"][:, :S], tokens), self.code.hold_part(ref_w))
             yield self._block(states, None, tokens, cos, sin, None, held)
