@@ -186,11 +186,11 @@ def predictive_states(stored, tensors, layer, kind, head, v_prev=None):
     bits, anchor = t("channel_bits"), t("anchor_bits")
     if "sink" in stored:  # format 1.3: clamp(rne((z_unit * w) / unit), -V, V), 0 where uncoded
         w = predictive_sink_code(stored, tensors, layer, kind, head)
-        V = np.where(anchor > 0, (1 << np.maximum(anchor - 1, 0)) - 1, 0)
+        V = _field_limit(anchor)
         v = np.rint((t("sink_unit").astype(F32) * w.astype(F32)) / t("unit").astype(F32))
         return np.clip(v, -V, V).astype(np.int64)
     if "anchor" in stored:
-        offset = np.where(anchor > 0, 1 << np.maximum(anchor - 1, 0), 0)
+        offset = _field_offset(anchor)
         return unpack_fields(stored["anchor"], anchor) - offset
     codes = unpack_fields(stored["codes"], bits)
     T = codes.shape[-2]
@@ -218,7 +218,7 @@ def predictive_sink_code(stored, tensors, layer, kind, head):
     z = np.asarray(tensors[f"layers.{layer}.{kind}.sink_bits"][head])
     if "reference" in stored:
         z = z * (np.asarray(tensors[f"layers.{layer}.{kind}.channel_bits"][head]) == 0)
-    return unpack_fields(stored.get("sink", stored.get("reference")), z) - np.where(z > 0, 1 << np.maximum(z - 1, 0), 0)
+    return unpack_fields(stored.get("sink", stored.get("reference")), z) - _field_offset(z)
 
 
 def predictive_sink_values(stored, tensors, layer, kind, head):
@@ -232,12 +232,8 @@ def predictive_sink(x, tensors, layer, kind, head):
     """A sink frame's stored form {"sink"} (format 1.3): w = clamp(rne(((x - mean) @ R) / z_unit),
     -Z, Z), Z = 2^(z - 1) - 1, packed as offset-binary fields of widths `sink_bits`; x [B, T, D]
     float32 as for `predictive_encode`. The product is not pinned (numpy's order here)."""
-    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
-    mean, R, z_unit = (np.asarray(t(r), dtype=F32) for r in ("mean", "rotation", "sink_unit"))
-    z = t("sink_bits")
-    Z = np.where(z > 0, (1 << np.maximum(z - 1, 0)) - 1, 0)
-    w = np.clip(np.rint(((np.asarray(x, dtype=F32) - mean) @ R) / z_unit), -Z, Z).astype(np.int64)
-    return {"sink": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
+    z = np.asarray(tensors[f"layers.{layer}.{kind}.sink_bits"][head])
+    return {"sink": pack_fields(_sink_w(x, tensors, layer, kind, head) + _field_offset(z), z)}
 
 
 def predictive_reference(x, tensors, layer, kind, head):
@@ -245,8 +241,28 @@ def predictive_reference(x, tensors, layer, kind, head):
     on the uncoded components only, packed at widths z * [channel_bits = 0]."""
     t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
     z = t("sink_bits") * (t("channel_bits") == 0)
-    w = predictive_sink_code(predictive_sink(x, tensors, layer, kind, head), tensors, layer, kind, head) * (z > 0)
-    return {"reference": pack_fields(w + np.where(z > 0, 1 << np.maximum(z - 1, 0), 0), z)}
+    w = _sink_w(x, tensors, layer, kind, head) * (z > 0)
+    return {"reference": pack_fields(w + _field_offset(z), z)}
+
+
+def _field_offset(bits):
+    """2^(b - 1) per field of width b (0 for b = 0): the offset of an offset-binary field."""
+    bits = np.asarray(bits)
+    return np.where(bits > 0, 1 << np.maximum(bits - 1, 0), 0)
+
+
+def _field_limit(bits):
+    """2^(b - 1) - 1 per field of width b (0 for b = 0): the largest |value| a signed field holds."""
+    return np.maximum(_field_offset(bits) - 1, 0)
+
+
+def _sink_w(x, tensors, layer, kind, head):
+    """The sink code w [B, T, D] int64 of x (`predictive_sink`), before packing."""
+    t = lambda role: np.asarray(tensors[f"layers.{layer}.{kind}.{role}"][head])
+    mean, R, z_unit = (np.asarray(t(r), dtype=F32) for r in ("mean", "rotation", "sink_unit"))
+    z = t("sink_bits")
+    Z = _field_limit(z)
+    return np.clip(np.rint(((np.asarray(x, dtype=F32) - mean) @ R) / z_unit), -Z, Z).astype(np.int64)
 
 
 def predictive_hold(x, sink_stored, tensors, layer, kind, head):
@@ -307,7 +323,7 @@ def predictive_encode(x, tensors, layer, kind, head, v_prev=None):
     unit, mean, R = (np.asarray(t(r), dtype=F32) for r in ("unit", "mean", "rotation"))
     b, s_i, s_p, a = t("channel_bits"), t("intra_step"), t("inter_step"), t("anchor_bits")
     n = (1 << b) - 1
-    V = np.where(a > 0, (1 << np.maximum(a - 1, 0)) - 1, 0)
+    V = _field_limit(a)
     tau = ((np.asarray(x, dtype=F32) - mean) @ R) / unit
 
     def code(target, step, lo, hi):
@@ -342,7 +358,7 @@ def predictive_anchor(v, tensors, layer, kind, head, holds=None):
     """An anchor's stored form {"anchor"}: fields v + 2^(a - 1) of widths `anchor_bits` (offset
     binary), and the re-stored frame's packed `holds` as they were (sink hold)."""
     a = np.asarray(tensors[f"layers.{layer}.{kind}.anchor_bits"][head])
-    out = {"anchor": pack_fields(np.asarray(v, dtype=np.int64) + np.where(a > 0, 1 << np.maximum(a - 1, 0), 0), a)}
+    out = {"anchor": pack_fields(np.asarray(v, dtype=np.int64) + _field_offset(a), a)}
     return {**out, "holds": holds} if holds is not None else out
 
 

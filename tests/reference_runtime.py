@@ -381,6 +381,7 @@ class ChainCodec:
         self._anchors = FieldLayout(params.anchor_bits_D, device)
         self._sinks = FieldLayout(params.sink_bits_D, device) if params.has_sink else None
         self._refs = FieldLayout(P.reference_bits(params), device) if params.has_sink else None
+        self._ref_offset = P.field_offset(P.reference_bits(params)) if params.has_sink else None
         self._modes: dict[int, FieldLayout] = {}  # tokens per frame -> 1-bit layout
 
     def _mode_layout(self, T: int) -> FieldLayout:
@@ -442,10 +443,10 @@ class ChainCodec:
 
     def reference(self, w_BTD: Tensor) -> dict[str, Tensor]:
         """A sink refresh's reference w * [b = 0] packed at widths z * [b = 0] (offset binary)."""
-        return {"reference": self._refs.pack(w_BTD + P.field_offset(P.reference_bits(self.params)))}
+        return {"reference": self._refs.pack(w_BTD + self._ref_offset)}
 
     def reference_code(self, stored: dict[str, Tensor]) -> Tensor:
-        return self._refs.unpack(stored["reference"]) - P.field_offset(P.reference_bits(self.params))
+        return self._refs.unpack(stored["reference"]) - self._ref_offset
 
     def values(self, v_BTD: Tensor, stored: dict[str, Tensor] | None = None, sink_w: Tensor | None = None) -> Tensor:
         """A frame's values from its states, or a sink frame's from its sink code; with hold bits,
