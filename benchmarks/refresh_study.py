@@ -1,6 +1,6 @@
 """Study: a sink hold whose reference is refreshed every P frames (a golden frame), bits counted.
 
-    python -m benchmarks.refresh_study [--frames 256] [--variants 0,16,8L] [--recipe PATH] [--name NAME]
+    python -m benchmarks.refresh_study [--frames 256] [--variants 0,16,8L,8La8] [--recipe PATH] [--name NAME]
 
 Writes `refresh_study.md` + `.json` (or `<NAME>.md`). The sink hold (format 1.4) lets a token's
 uncoded components take the sink frame's values. On a still camera that is the right idea with
@@ -20,12 +20,17 @@ source of g changes. Variant `0` is the rule before format 1.5 (the sink for eve
 codes the reference frames on M times the sink's step (fewer bits, as wide as the sink's reach
 needs there); a trailing `L` holds one reference, the latest: every held token in the cache, of
 any frame, takes the latest reference's components (its hold bit was still chosen against the
-reference of its time). `8L` is what format 1.5 made of it (`fit.sink_refresh=8`).
+reference of its time). `8L` is what format 1.5 made of it (`fit.sink_refresh=8`). A trailing
+`aA` codes the reference from the mean of the last A frames (the refresh frame and the A - 1 before
+it) instead of the refresh frame alone: a reference nearer a moving scene's recent average, which
+the decoder reads as it reads any other (the same bits; an encoder would keep a running sum).
 
 Bits: a frame in a window of W needs its reference while it is kept, so up to ceil((W - 1) / P) + 1
 refresh codes are held besides the sink (2 for P >= W; 1 with `L`), each of sum_{b_i = 0} z_i bits
 per token and head (z: the sink widths); the report adds their largest count over the steady state
-to the recipe's own bits per element (memory.bits_per_element). `--recipe` rolls out another
+to the recipe's own bits per element (memory.bits_per_element; less its own reference's, for a
+recipe that already has one: format 1.5, where memory.py counts them in whole bytes per token, so
+the sum may differ from the recipe's in the third decimal). `--recipe` rolls out another
 recipe, e.g. one fitted at a lower budget so that the total stays within 2.5 bits.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 import time
 
@@ -54,9 +60,10 @@ class RefreshCoder:
     frames as quant/predictive.encode codes them, with the sink hold against the latest reference
     frame (every `period` frames; 0: the sink only)."""
 
-    def __init__(self, coder, period: int, step_mult: int = 1):
+    def __init__(self, coder, period: int, step_mult: int = 1, average: int = 1):
         self.p, self.period, self.frame = coder.p, period, 0
         self.coarse = refresh_params(coder.p, step_mult)
+        self.average, self.last = average, []  # the reference codes the mean of the last `average` frames
 
     def code(self, x: torch.Tensor) -> torch.Tensor:
         base, hold = self.code_parts(x)
@@ -66,12 +73,13 @@ class RefreshCoder:
         """(the frame's values without the hold, its hold bits [B, T]; None for the sink frame)."""
         p, f = self.p, self.frame
         self.frame += 1
+        self.last = (self.last + [x.float()])[-self.average:]
         if f == 0:
             self.w = P.sink_code(x, p)
             self.v, self.h = P.sink_states(self.w, p), P.sink_hold_part(self.w, p)
             return P.sink_values(self.w, p), None
         if self.period and f % self.period == 0:  # a reference frame: its uncoded part in the sink code
-            w = P.sink_code(x, self.coarse)  # on the refresh grid: m times the sink's step
+            w = P.sink_code(torch.stack(self.last).mean(0), self.coarse)  # on the refresh grid: m times the sink's step
             self.w = w * (self.coarse.sink_unit_D / p.sink_unit_D).round().long()
             self.h = P.sink_hold_part(self.w, p)
         _, _, self.v = P.encode(x, p, self.v)
@@ -112,11 +120,11 @@ class LatestReferenceCache(FakePredictiveCache):
 
 
 def refresh_cache(recipe, window: int, sinks: int, period: int, step_mult: int = 1,
-                  latest: bool = False) -> FakePredictiveCache:
+                  latest: bool = False, average: int = 1) -> FakePredictiveCache:
     cache = (LatestReferenceCache if latest else FakePredictiveCache)(recipe, window, sinks)
     for layer in cache.coders:
         for kv in "kv":
-            layer[kv] = [RefreshCoder(c, period, step_mult) for c in layer[kv]]
+            layer[kv] = [RefreshCoder(c, period, step_mult, average) for c in layer[kv]]
     return cache
 
 
@@ -145,7 +153,7 @@ def markdown(results: dict, bits: dict, command: str, minutes: float, frames: in
              f"`{recipe}`, {frames} frames, window {window}; the method and the bit count are in "
              "`benchmarks/refresh_study.py`'s docstring. P: the refresh period (0: the shipped rule, the sink "
              "frame is every frame's reference); x M: the refresh code on M times the sink's step; L: one "
-             "reference held, the latest.", ""]
+             "reference held, the latest; a A: the reference codes the mean of the last A frames.", ""]
     extra = {name: f"{b['recipe']:.3f} + {b['refresh']:.3f} = {b['recipe'] + b['refresh']:.3f}" for name, b in bits.items()}
     return "\n".join(lines + variant_table(results, frames, "P x M", extra) + [""])
 
@@ -154,19 +162,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=256)
     p.add_argument("--variants", default="0,8,16,32,16x2,16x4",
-                   help="comma-separated P[xM][L]: refresh every P frames (0: the shipped rule) on M times the sink's "
-                        "step; L: one reference held, the latest")
+                   help="comma-separated P[xM][L][aA]: refresh every P frames (0: the shipped rule) on M times the "
+                        "sink's step; L: one reference held, the latest; aA: the reference codes the mean of the last A "
+                        "frames")
     p.add_argument("--recipe", default=None, help="a TinyWorld recipe with a sink code (default: the shipped one)")
     p.add_argument("--name", default="refresh_study")
     p.add_argument("--out", default="artifacts/benchmarks")
     args = p.parse_args(argv)
-    try:
-        variants = {v: (*(int(x) for x in (v.removesuffix("L") + "x1").split("x")[:2]), v.endswith("L"))
-                    for v in args.variants.split(",")}
-        if any(period < 0 or mult < 1 or mult & (mult - 1) for period, mult, _ in variants.values()):
-            raise ValueError
-    except ValueError:
-        print(f"refresh_study: --variants must be P, PxM or either with L (integers, P >= 0, M a power of 2), got {args.variants!r}",
+    variants = {v: re.fullmatch(r"(\d+)(?:x(\d+))?(L?)(?:a(\d+))?", v) for v in args.variants.split(",")}
+    variants = {v: m and (int(m[1]), int(m[2] or 1), m[3] == "L", int(m[4] or 1)) for v, m in variants.items()}
+    if any(not v or v[1] < 1 or v[1] & (v[1] - 1) or v[3] < 1 for v in variants.values()):
+        print(f"refresh_study: --variants must be P[xM][L][aA] (integers, M a power of 2, A >= 1), got {args.variants!r}",
               file=sys.stderr)
         return 2
     t0 = time.time()
@@ -179,10 +185,12 @@ def main(argv=None) -> int:
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     trajs = make_trajectories(FIT_ORDER, "evaluation", 7, args.frames)
     own = memory.bits_per_element(world.info, recipe.scheme, window, sinks)
+    if any(getattr(spec, kind).sink_refresh for spec in recipe.scheme.layers for kind in "kv"):  # format 1.5: its own
+        own -= refresh_bits(recipe, world.info, 1, window, sinks, latest=True)  # reference is the variants' to count
     results, bits = {}, {}
-    for name, (period, mult, latest) in variants.items():
+    for name, (period, mult, latest, average) in variants.items():
         results[name] = roll_variant(world, recipe, trajs, "nearest", 0, 1.0, window, sinks, device,
-                                     make=lambda: refresh_cache(recipe, window, sinks, period, mult, latest))
+                                     make=lambda: refresh_cache(recipe, window, sinks, period, mult, latest, average))
         bits[name] = {"recipe": own, "refresh": refresh_bits(recipe, world.info, period, window, sinks, mult, latest)}
     md = markdown(results, bits, command_line("refresh_study", argv), (time.time() - t0) / 60, args.frames, str(path),
                   window)
