@@ -66,7 +66,7 @@ class ChainCode:
                                                   *((self.sink_unit[:, None], sink_bits[:, None]) if self.has_sink
                                                     else (None, None)))
         if refresh:  # the reference: the sink code's uncoded components
-            reference_bits = predictive.reference_bits(self.params)[:, 0]  # [G, D]
+            reference_bits = predictive.reference_bits(sink_bits, bits)  # [G, D]
             self.reference_layout = RowLayout.concat(reference_bits.tolist(), device)
             self.reference_offset = predictive.field_offset(reference_bits)
         self.codes_layout = RowLayout.concat(bits.tolist(), device)

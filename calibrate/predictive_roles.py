@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictiveParams, field_limit
+from calibrate.quant.predictive import MAX_ANCHOR_BITS, MAX_BITS, PredictiveParams, field_limit, reference_bits
 
 FLOAT_ROLES = ("mean", "unit")
 INT_ROLES = ("channel_bits", "intra_step", "inter_step", "anchor_bits")
@@ -80,9 +80,8 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
 
 
 def reference_token_bits(tensors: Mapping[str, Tensor]) -> list[int]:
-    """The sink refresh's reference bits per token of each head (format 1.5): the sink widths of the
-    uncoded components (quant/predictive.reference_bits), summed."""
-    return (tensors["sink_bits"] * (tensors["channel_bits"] == 0)).sum(-1).tolist()
+    """The sink refresh's reference bits per token of each head (format 1.5), summed over components."""
+    return reference_bits(tensors["sink_bits"], tensors["channel_bits"]).sum(-1).tolist()
 
 
 def check_sink(tensors: Mapping[str, Tensor], sink_token_bits: list[int], prefix: str) -> None:

@@ -102,10 +102,12 @@ class TensorSpec:
         return self.head_bits[head] if self.head_bits else self.bits
 
 
-V1_1_DEFAULTS = {"rotary_coords": 0, "token_bits": None, "anchor_token_bits": None, "sink_token_bits": None, "sink_hold": False,
-                 "sink_refresh": 0, "refresh_token_bits": None, "temporal": True,
-                 "prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False,
-                 "jensen": False}
+# the fields of one kind (any other kind must leave them at these defaults)
+_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False}
+_PREDICTIVE_DEFAULTS = {"token_bits": None, "anchor_token_bits": None, "sink_token_bits": None, "sink_hold": False,
+                        "sink_refresh": 0, "refresh_token_bits": None, "temporal": True}
+# every TensorSpec field of format 1.1 on, written only when it differs from its default
+V1_1_DEFAULTS = {"rotary_coords": 0, "jensen": False, **_PRQ_DEFAULTS, **_PREDICTIVE_DEFAULTS}
 
 
 @dataclass
@@ -197,11 +199,6 @@ def parse_spec(d: dict, where: str) -> TensorSpec:
         raise RecipeError(f"{where}.jensen: needs a uniform grid step (kind "
                           f"{' or '.join(repr(n) for n, k in KINDS.items() if k.uniform_step)}), not {s.kind!r}")
     return s
-
-
-_PRQ_DEFAULTS = {"prq_stages": 0, "prq_centroids": 0, "prq_span_frames": 1, "prq_kmeans_iters": 2, "prq_deferred": False}
-_PREDICTIVE_DEFAULTS = {"token_bits": None, "anchor_token_bits": None, "sink_token_bits": None, "sink_hold": False,
-                        "sink_refresh": 0, "refresh_token_bits": None, "temporal": True}
 
 
 def uniform_scheme(name: str, num_layers: int, k: TensorSpec, v: TensorSpec, policy: TokenPolicy, notes: str = "") -> Scheme:

@@ -380,8 +380,8 @@ class ChainCodec:
         self._codes = FieldLayout(params.bits_D, device)
         self._anchors = FieldLayout(params.anchor_bits_D, device)
         self._sinks = FieldLayout(params.sink_bits_D, device) if params.has_sink else None
-        self._refs = FieldLayout(P.reference_bits(params), device) if params.has_sink else None
-        self._ref_offset = P.field_offset(P.reference_bits(params)) if params.has_sink else None
+        self._refs = FieldLayout(P.reference_bits(params.sink_bits_D, params.bits_D), device) if params.has_sink else None
+        self._ref_offset = P.field_offset(P.reference_bits(params.sink_bits_D, params.bits_D)) if params.has_sink else None
         self._modes: dict[int, FieldLayout] = {}  # tokens per frame -> 1-bit layout
 
     def _mode_layout(self, T: int) -> FieldLayout:

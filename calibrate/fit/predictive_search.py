@@ -327,7 +327,7 @@ def _allocate(info, traces, refs, fits, cfg: FitConfig, window, sink_frames, rot
     delta = torch.zeros((L, len(KINDS), H), dtype=torch.int64)  # bytes the upgrade adds
 
     def head_bytes(p) -> int:
-        refresh = int(reference_bits(p).sum()) * bool(cfg.sink_hold and cfg.sink_refresh) if p.has_sink else 0
+        refresh = int(reference_bits(p.sink_bits_D, p.bits_D).sum()) * bool(cfg.sink_hold and cfg.sink_refresh) if p.has_sink else 0
         sink = (int(p.sink_bits_D.sum()), sink_frames, cfg.sink_hold, refresh) if p.has_sink else ()
         return predictive_head_bytes(int(p.bits_D.sum()), int(p.anchor_bits_D.sum()), cfg.temporal, kept, n0, 0, 1, T, D, *sink)
 

@@ -219,9 +219,10 @@ def is_refresh_frame(index: int, period: int, sink_frames: int) -> bool:
     return period > 0 and index >= max(period, sink_frames) and index % period == 0
 
 
-def reference_bits(p: PredictiveParams) -> Tensor:
-    """The refresh reference's widths [D]: z_i * [b_i = 0] (the sink code's, uncoded components only)."""
-    return p.sink_bits_D * (p.bits_D == 0)
+def reference_bits(sink_bits: Tensor, bits: Tensor) -> Tensor:
+    """The refresh reference's widths [..., D]: z_i * [b_i = 0] (the sink code's widths z, uncoded
+    components only: b the channel widths)."""
+    return sink_bits * (bits == 0)
 
 
 def reference_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
