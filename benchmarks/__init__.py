@@ -4,6 +4,8 @@ They measure the project and write the reports under `artifacts/benchmarks/`; th
 of the installed tool. Run them from the repository root: `python -m benchmarks.<name>`.
 """
 
+import os
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -74,3 +76,17 @@ def write_report(out_dir: str | Path, name: str, markdown: str, data) -> None:
     write_text_atomic(Path(out_dir) / f"{name}.md", markdown)
     write_text_atomic(Path(out_dir) / f"{name}.json", json.dumps(data, indent=1))
     print(markdown)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, family and model number (x86 /proc/cpuinfo), and whether it has AVX-512."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    avx512 = "avx512f" in info.get("flags", "").split()
+    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
+            f"{'AVX-512' if avx512 else 'no AVX-512'}), {os.cpu_count()} cores")

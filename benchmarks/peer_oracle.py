@@ -66,7 +66,6 @@ import json
 import logging
 import math
 import os
-import platform
 import shlex
 import sys
 import time
@@ -78,6 +77,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from benchmarks import cpu_model
 from calibrate.cache import Attended, KVCache
 from calibrate.io import safetensors_bytes, write_bytes_atomic, write_text_atomic
 from calibrate.quant import affine, qvg
@@ -542,16 +542,6 @@ def write_golden(pkg: QVGPackage, K: list[Tensor], V: list[Tensor], path: Path) 
 
 
 # ---- report -------------------------------------------------------------------------------------
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _f(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.2f}"
 
@@ -770,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"format": FORMAT, "format_version": FORMAT_VERSION,
               "command": " ".join([COMMAND, *map(shlex.quote, argv)]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{_cpu_name()}, {os.cpu_count()} CPUs (shared with another job)",
+              "machine": f"{cpu_model()} (shared with another job)",
               "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
               "versions": dict(pkg.versions), "package_path": pkg.path,
               "config": {"frames": args.frames, "families": families, "spans": span_lengths, "draws": args.draws,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -28,25 +27,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from benchmarks import command_line
+from benchmarks import command_line, cpu_model
 from calibrate.io import write_text_atomic
 
 ANOTHER_CPU = {"mean": (1e-6, 0.0), "unit": (0.0, 1e-4), "sink_unit": (0.0, 1e-4), "rotation": (1e-4, 0.0)}  # role: (atol, rtol), README
 EXACT_METADATA = ("format", "format_version", "model", "scheme", "memory", "calibration")
-
-
-def cpu() -> str:
-    """The CPU's model name, family and model number (x86 /proc/cpuinfo), and whether it has AVX-512."""
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    avx512 = "avx512f" in info.get("flags", "").split()
-    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
-            f"{'AVX-512' if avx512 else 'no AVX-512'}), {os.cpu_count()} cores")
 
 
 def default_run(run_dir: Path) -> dict:
@@ -138,7 +123,7 @@ def main(argv=None) -> int:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d_%H-%M-%S")
         run = default_run(Path("artifacts/runs/reproducibility") / stamp)
     recipe = Path(args.recipe) if args.recipe else run["recipe"]
-    res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu(),
+    res = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
            "diff": diff(recipe, Path(args.against)), "run": run}
     command = command_line("reproducibility", argv)
     md = markdown(res, run, recipe, Path(args.against), command)

@@ -18,7 +18,7 @@
 
 Times are CPU seconds of this process (`time.process_time`), which a shared machine disturbs
 less than wall time; both are written. `--recipe` replaces the shipped recipe in part 1.
-Writes `runtime.md` and `runtime.json`.
+Writes `runtime.md` and `runtime.json` (`--name` another stem, e.g. for another machine).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import cpu_model
 from benchmarks.predictive_fit import Moments, predictive_recipe
 from calibrate.cache import KVCache, Rope
 from calibrate.fastcache import FastKVCache
@@ -290,7 +291,7 @@ def markdown(res: dict) -> str:
     m = res["machine"]
     lines = ["# Runtime: time and memory", "",
              f"- date: {res['date']}; command: `{res['command']}`",
-             f"- machine: {m['cpus']} CPU cores shared with other work (load average {m['load_start']} at the start, "
+             f"- machine: {m.get('cpu', str(m['cpus']) + ' CPU cores')}, shared with other work (load average {m['load_start']} at the start, "
              f"{m['load_end']} at the end), torch {m['torch']}, {m['threads']} thread; times are CPU seconds of this "
              "process (wall in the JSON)", ""]
     lines += ["## TinyWorld, batch 1, window 16 + 1 sink", "",
@@ -329,7 +330,8 @@ fill in reasonable time on this CPU (filling F frames decodes the chain F times)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=SHIPPED, help="the TinyWorld recipe of part 1 (default: the shipped one)")
-    parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"))
+    parser.add_argument("--out", type=Path, default=Path("artifacts/benchmarks"), help="a directory")
+    parser.add_argument("--name", default="runtime", help="the reports' file stem")
     parser.add_argument("--quick", action="store_true", help="histories 8 and 32 only, no compare/check")
     parser.add_argument("--compare-frames", type=int, default=48)
     args = parser.parse_args()
@@ -337,7 +339,7 @@ def main() -> None:
     recipe = args.recipe
     res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": "OMP_NUM_THREADS=1 python -m benchmarks.runtime " + " ".join(sys.argv[1:]),
-           "machine": {"cpus": os.cpu_count(), "load_start": [round(x, 1) for x in os.getloadavg()],
+           "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_start": [round(x, 1) for x in os.getloadavg()],
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "notes": NOTES}
     res["tinyworld"] = tinyworld(recipe, 64, 3)
     print(json.dumps(res["tinyworld"], indent=1), flush=True)
@@ -348,9 +350,9 @@ def main() -> None:
     res["pipeline"] = [] if args.quick else pipeline_runs(runs, args.compare_frames)
     res["machine"]["load_end"] = [round(x, 1) for x in os.getloadavg()]
     args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "runtime.json", json.dumps(res, indent=2) + "\n")
+    write_text_atomic(args.out / f"{args.name}.json", json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    write_text_atomic(args.out / "runtime.md", md)
+    write_text_atomic(args.out / f"{args.name}.md", md)
     print(md)
 
 
