@@ -122,7 +122,7 @@ class FitConfig:
     sink_hold: bool = True  # with a sink code: one bit per token lets its uncoded components take the sink's (format 1.4)
     sink_refresh: int = 8  # with a sink hold: its reference is refreshed every this many frames (format 1.5; 0: the sink's)
     # inter-step scales tried in calibration rollouts (fit/select.py); [1.0], the default, is no
-    # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (README, Fitting)
+    # selection: it cost 0.8 dB held-out on WanWorld and earned 0.06 on TinyWorld (docs/results.md, "Fitting and ablations")
     closed_loop_scales: list[float] = field(default_factory=lambda: [1.0])
     # both codes:
     lambda_temporal: float = 1.0  # weight of the frame-to-frame change of the attention-output error

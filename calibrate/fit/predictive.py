@@ -14,7 +14,7 @@ recording cache streams (stats.py). Then:
    noise twin's coherent error, evaluate/twin.py). `allocation="waterfill_variance"` (the
    config's default) prices D_i(0) = sigma_i^2 accordingly; "waterfill" prices it at w_i. Level
    before the sink code, it earns +0.9 dB late on TinyWorld with it and is level on WanWorld
-   (artifacts/benchmarks/anchor_reach_sink.md, README).
+   (artifacts/benchmarks/anchor_reach_sink.md, docs/results.md).
 3. **Steps**: the MSE-optimal uniform step of a Gaussian at b bits (`GAUSSIAN_STEP`, times
    sigma_i for intra and d_i for inter), scaled by the fitted multipliers.
 4. **Integer grid**: unit_i = min(intra step, inter step) / (2 * resolution), so both steps are
@@ -27,7 +27,7 @@ recording cache streams (stats.py). Then:
    `fit.anchor_peak_mult=2`), widens only the components that need it: a fixed reach of 8 sd
    cost WanWorld 2.3 dB; the peak rule gains on TinyWorld (+0.3 dB late, p95 +2.3, still camera
    +3.3) and on WanWorld's first 64 frames and tails (frames 128-256 -0.2 dB;
-   artifacts/benchmarks/anchor_peak.md, README).
+   artifacts/benchmarks/anchor_peak.md, docs/results.md).
 
 5. **Sink code** (`sink_bits` > 0, quant/predictive.py): the sink frame on one step Delta for every
    component (equal distortion everywhere: the reverse water-filling optimum at a high rate), each

@@ -24,8 +24,8 @@ calibration frames, coded in sequence as the runtime codes them (chain included)
    allocator left it. The best multiplier of a step depends on the width: the Gaussian step
    table (fit/predictive.py) assumes Gaussian tails, and the heavier tails of real K/V want a
    wider grid the more levels it has. Steps searched at the base width and kept after the
-   allocator tripled a head's bits were too fine there, and the rollout showed it (README,
-   Fitting). A layer whose new steps would cross the budget (anchors widen) keeps the old ones;
+   allocator tripled a head's bits were too fine there, and the rollout showed it (docs/results.md,
+   "Each head's steps are searched again"). A layer whose new steps would cross the budget (anchors widen) keeps the old ones;
    a tensor the allocator left at the base width keeps its first answer without a second search.
 5. **Closed loop**, off by default (calibration.fit, select.py): with `fit.closed_loop_scales`
    other than [1.0], the recipe with its inter steps scaled by each rolls out on calibration
@@ -287,7 +287,7 @@ def _base_bits(info, cfg, rotary_coords, window, sink_frames, peaks, stats, pre)
     whose recipe fits the budget whatever step multipliers the search then picks (the smallest
     steps need the widest anchors). The allocator spends the rest where the objective gains most,
     so a narrow base lets it leave a tensor narrower than the base would (TinyWorld's and
-    WanWorld's keys: README, Fitting)."""
+    WanWorld's keys: README, "What each mechanism earns")."""
     finest = HeadCode(0.0, min(cfg.intra_mults), min(cfg.inter_mults) * min(min(cfg.closed_loop_scales), 1.0))
     for avg in [b / 4 for b in range(int(cfg.base_bits_max * 4), int(MIN_BASE_BITS * 4) - 1, -1)]:
         fits = [{kind: tensor_fit(stats, kind, pre, l, [replace(finest, avg_bits=avg)] * info.num_kv_heads, peaks[l][kind])
