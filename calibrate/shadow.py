@@ -14,10 +14,10 @@ history, and accumulates:
 
 It also measures each quantized cache's *stored* error (`StoredError`): every time a frame
 attends, the history a shadow holds (its decoded K/V, post-rotary) against the fp history of the
-same frames, per trajectory, layer, K/V and head. A frame counts once per step it is attended
-to, so this is the error attention sees, recent full-precision frames and sinks included. It is
-measured only when asked (`stored=True`: the noise twin's input, evaluate/twin.py), and with
-`attention=False` it is all that is measured.
+same frames, per trajectory, layer, K/V, head and window of steps. A frame counts once per step
+it is attended to, so this is the error attention sees, recent full-precision frames and sinks
+included. It is measured only when asked (`stored=True`: the noise twin's input,
+evaluate/twin.py), and with `attention=False` it is all that is measured.
 
 The quantized caches never influence the rollout, so every scheme is measured on exactly the
 same K/V: this is the "history quantized, teacher-forced from the fp K/V" objective that the
@@ -33,14 +33,16 @@ import torch
 from torch import Tensor
 
 from calibrate.cache import Attended, KVCache, attention_logits, bias_rows
+from calibrate.evaluate.metrics import DEFAULT_WINDOWS, window_index
 
 SUMS = ("rows", "kl", "top", "err2", "ref2", "dt2", "dt_rows")
 
 
 @dataclass
 class StoredError:
-    """Sums of squared stored error and of the squared fp signal, [B, L, 2 (K, V), H] float64, and
-    the elements each (trajectory, layer, K/V, head) sum runs over, [L]."""
+    """Sums of squared stored error and of the squared fp signal per window of steps (the
+    evaluation's windows, metrics.DEFAULT_WINDOWS: a step's sums go to the window of the frame it
+    appended), [W, B, L, 2 (K, V), H] float64, and the elements each sum runs over, [W, L]."""
 
     err2: Tensor
     sig2: Tensor
@@ -48,24 +50,33 @@ class StoredError:
 
     @staticmethod
     def zeros(batch: int, num_layers: int, num_heads: int) -> "StoredError":
-        z = torch.zeros(batch, num_layers, 2, num_heads, dtype=torch.float64)
-        return StoredError(z, z.clone(), torch.zeros(num_layers, dtype=torch.float64))
+        z = torch.zeros(len(DEFAULT_WINDOWS), batch, num_layers, 2, num_heads, dtype=torch.float64)
+        return StoredError(z, z.clone(), torch.zeros(len(DEFAULT_WINDOWS), num_layers, dtype=torch.float64))
 
-    def add(self, layer: int, k_q: Tensor, v_q: Tensor, k_ref: Tensor, v_ref: Tensor) -> None:
-        """Held K/V [B, H, N, D] of a cache against the fp K/V of the same frames."""
+    def add(self, layer: int, index: int, k_q: Tensor, v_q: Tensor, k_ref: Tensor, v_ref: Tensor) -> None:
+        """Held K/V [B, H, N, D] of a cache against the fp K/V of the same frames, at the step that
+        appended frame `index`."""
+        w = window_index(index)
         for i, (q, r) in enumerate(((k_q, k_ref), (v_q, v_ref))):
             r64 = r.double()
-            self.err2[:, layer, i] += (q.double() - r64).pow(2).sum((-2, -1)).cpu()
-            self.sig2[:, layer, i] += r64.pow(2).sum((-2, -1)).cpu()
-        self.count[layer] += k_ref.shape[-2] * k_ref.shape[-1]
+            self.err2[w, :, layer, i] += (q.double() - r64).pow(2).sum((-2, -1)).cpu()
+            self.sig2[w, :, layer, i] += r64.pow(2).sum((-2, -1)).cpu()
+        self.count[w, layer] += k_ref.shape[-2] * k_ref.shape[-1]
 
     def sqnr_db(self) -> Tensor:
-        """10 log10(signal / error) of each trajectory, layer and K/V, summed over heads: [B, L, 2]."""
-        return 10 * torch.log10(self.sig2.sum(-1) / self.err2.sum(-1).clamp_min(1e-300))
+        """10 log10(signal / error) of each trajectory, layer and K/V over the whole rollout, summed
+        over heads: [B, L, 2]."""
+        return 10 * torch.log10(self.sig2.sum((0, -1)) / self.err2.sum((0, -1)).clamp_min(1e-300))
 
-    def noise_std(self) -> Tensor:
-        """The root-mean-square stored error per element, [B, L, 2, H]: the noise twin's std."""
-        return (self.err2 / self.count.clamp_min(1).view(1, -1, 1, 1)).sqrt()
+    def noise_std(self, per_window: bool = True) -> Tensor:
+        """The root-mean-square stored error per element, the noise twin's std: per window
+        [W, B, L, 2, H] (a window with no step takes the whole rollout's), or over the whole
+        rollout [B, L, 2, H] with `per_window=False`."""
+        whole = (self.err2.sum(0) / self.count.sum(0).clamp_min(1).view(1, -1, 1, 1)).sqrt()
+        if not per_window:
+            return whole
+        per = (self.err2 / self.count.clamp_min(1)[:, None, :, None, None]).sqrt()
+        return torch.where((self.count > 0)[:, None, :, None, None], per, whole)
 
 
 @dataclass
@@ -164,5 +175,5 @@ class ShadowCache(KVCache):
             if name not in self.stored:
                 self.stored[name] = StoredError.zeros(seen.q_BHTD.shape[0], self.num_layers, seen.k_BHND.shape[1])
             if held:
-                self.stored[name].add(layer, kq[:, :, :held], vq[:, :, :held], seen.k_BHND[:, :, :held],
+                self.stored[name].add(layer, seen.index, kq[:, :, :held], vq[:, :, :held], seen.k_BHND[:, :, :held],
                                       seen.v_BHND[:, :, :held])

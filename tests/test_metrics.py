@@ -9,6 +9,7 @@ from scipy import ndimage
 
 from calibrate.evaluate.metrics import (
     DEFAULT_MAX_DB,
+    DEFAULT_WINDOWS,
     JSON_CAP,
     SSIM_C1,
     SSIM_C2,
@@ -27,6 +28,7 @@ from calibrate.evaluate.metrics import (
     ssim,
     summarize,
     top_agreement,
+    window_index,
     window_label,
     window_means,
 )
@@ -262,3 +264,10 @@ def test_blind_spot():
     assert blind_spot(series) == {"first_16": 40.0, "all": 30.0, "after_16": 20.0, "gap": 10.0}
     assert blind_spot(series[:10]) == {"first_16": 40.0, "all": 40.0, "gap": 0.0}
     assert blind_spot(series, short=8)["after_8"] == pytest.approx((8 * 40.0 + 16 * 20.0) / 24)
+
+
+def test_window_index_is_the_half_open_window_of_a_frame():
+    got = [window_index(i) for i in (0, 15, 16, 63, 64, 127, 128, 255, 256, 10_000)]
+    assert got == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert window_index(300, DEFAULT_WINDOWS[:4]) == 3  # past the last window: the last
+    assert window_index(5, ((0, 4), (4, 8))) == 1

@@ -8,6 +8,7 @@ import torch
 from calibrate.adapters import as_world
 from calibrate.cache import KVCache, Rope
 from calibrate.evaluate import report as report_mod
+from calibrate.evaluate.metrics import DEFAULT_WINDOWS, window_index
 from calibrate.evaluate.run import evaluate
 from calibrate.evaluate.twin import NoiseTwinCache
 from calibrate.schemes import build_baseline
@@ -31,30 +32,50 @@ def frames(n: int, seed: int = 0):
              torch.randn(B, H, T, D, generator=g), Rope(torch.randn(B, T, D // 2, generator=g))) for _ in range(n)]
 
 
-def test_stored_error_is_the_held_history_against_the_fp_history():
-    window, sinks = 3, 1
+def test_stored_error_is_the_held_history_against_the_fp_history_per_window():
+    window, sinks, W = 3, 1, len(DEFAULT_WINDOWS)
     shadow = ShadowCache(2, window, sinks, {"offset": OffsetValues(2, window, sinks)}, attention=False, stored=True)
     fp = KVCache(2, window, sinks)
-    sig2 = torch.zeros(B, 2, H, dtype=torch.float64)  # values only: [B, layer, head]
-    tokens = 0
-    for q, k, v, rope in frames(6):
+    sig2 = torch.zeros(W, B, 2, H, dtype=torch.float64)  # values only: [window, B, layer, head]
+    tokens = [0] * W  # held tokens summed in each window (layer 0; layer 1 holds the same)
+    for i, (q, k, v, rope) in enumerate(frames(20)):  # steps in windows 0-16 and 16-64
         for layer in range(2):
             fp.attend(layer, q, k, v, rope)
             held_v = fp.read(layer, fp.history(layer))[1] if fp.history(layer) else None
             if held_v is not None:
-                sig2[:, layer] += held_v.double().pow(2).sum((-2, -1))
-                tokens += held_v.shape[2] if layer == 0 else 0
+                sig2[window_index(i), :, layer] += held_v.double().pow(2).sum((-2, -1))
+                tokens[window_index(i)] += held_v.shape[2] if layer == 0 else 0
             shadow.attend(layer, q, k, v, rope)
     stored = shadow.stored["offset"]
-    assert torch.equal(stored.err2[:, :, 0], torch.zeros(B, 2, H, dtype=torch.float64))  # keys exact
-    expected = torch.full((B, 2, H), OFFSET ** 2 * tokens * D, dtype=torch.float64)
-    assert torch.allclose(stored.err2[:, :, 1], expected, rtol=1e-6)
-    assert torch.allclose(stored.sig2[:, :, 1], sig2, rtol=1e-12)
-    assert torch.allclose(stored.noise_std()[:, :, 1], torch.full((B, 2, H), OFFSET, dtype=torch.float64), rtol=1e-6)
-    sqnr = stored.sqnr_db()  # [B, L, 2], summed over heads
+    assert tokens[0] and tokens[1] and not any(tokens[2:])
+    assert torch.equal(stored.err2[:, :, :, 0], torch.zeros(W, B, 2, H, dtype=torch.float64))  # keys exact
+    for w in range(W):
+        expected = torch.full((B, 2, H), OFFSET ** 2 * tokens[w] * D, dtype=torch.float64)
+        assert torch.allclose(stored.err2[w, :, :, 1], expected, rtol=1e-6)
+        assert stored.count[w, 0] == tokens[w] * D
+    assert torch.allclose(stored.sig2[:, :, :, 1], sig2, rtol=1e-12)
+    # the same power in every window here, measured or not (a window without a step takes the whole rollout's)
+    for std in (stored.noise_std(), stored.noise_std(per_window=False)):
+        assert torch.allclose(std[..., 1, :], torch.full(std[..., 1, :].shape, OFFSET, dtype=torch.float64), rtol=1e-6)
+    assert stored.noise_std().shape == (W, B, 2, 2, H) and stored.noise_std(per_window=False).shape == (B, 2, 2, H)
+    sqnr = stored.sqnr_db()  # [B, L, 2], the whole rollout, summed over heads
     assert sqnr.shape == (B, 2, 2)
-    assert torch.allclose(sqnr[:, :, 1], 10 * torch.log10(sig2.sum(-1) / (OFFSET ** 2 * tokens * D * H)), atol=1e-6)
+    assert torch.allclose(sqnr[:, :, 1], 10 * torch.log10(sig2.sum((0, -1)) / (OFFSET ** 2 * sum(tokens) * D * H)), atol=1e-6)
     assert (sqnr[:, :, 0] > 200).all()  # no key error: far above any quantizer
+
+
+def test_a_twin_gives_each_frame_the_power_of_its_window():
+    std = torch.zeros(len(DEFAULT_WINDOWS), B, 1, 2, H)
+    std[0] = 1.0  # frames 0-15 get noise, the others none
+    twin = NoiseTwinCache(1, 3, 1, std, seed=3)
+    x = torch.randn(B, H, T, D)
+    early, later, past_the_end = twin._store(0, 15, x, x), twin._store(0, 16, x, x), twin._store(0, 10_000, x, x)
+    assert not torch.equal(early[0], x) and not torch.equal(early[1], x)
+    assert all(torch.equal(t, x) for t in later + past_the_end)
+    one = torch.rand(B, 1, 2, H)  # [B, L, 2, H]: the same std in every window, the same draws as per-window copies
+    a = NoiseTwinCache(1, 3, 1, one, seed=5)._store(0, 40, x, x)
+    b = NoiseTwinCache(1, 3, 1, one.expand(len(DEFAULT_WINDOWS), -1, -1, -1, -1).clone(), seed=5)._store(0, 40, x, x)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_a_zero_noise_twin_is_the_fp_cache_bit_for_bit():
@@ -78,7 +99,7 @@ def test_twin_noise_has_the_asked_std_per_trajectory_head_and_kv_and_is_seeded()
 
 
 def test_a_twin_of_the_wrong_shape_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"\[B, 2, 2, H\]"):
+    with pytest.raises(ValueError, match=r"\[W, B, 2, 2, H\] or \[B, 2, 2, H\]"):
         NoiseTwinCache(2, 3, 1, torch.zeros(B, 1, 2, H))
 
 

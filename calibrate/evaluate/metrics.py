@@ -277,6 +277,12 @@ def json_safe(x: float, higher_is_better: bool = True) -> float:
     return max(-JSON_CAP, min(JSON_CAP, x))
 
 
+def window_index(index: int, windows: Iterable[tuple[int, int | None]] = DEFAULT_WINDOWS) -> int:
+    """Which of `windows` frame `index` lies in (the last one past their end)."""
+    windows = list(windows)
+    return next((i for i, (a, b) in enumerate(windows) if a <= index and (b is None or index < b)), len(windows) - 1)
+
+
 def window_label(start: int, stop: int | None) -> str:
     """``(0, 16) -> "0-16"``, ``(256, None) -> "256+"``."""
     return f"{start}+" if stop is None else f"{start}-{stop}"

@@ -270,9 +270,10 @@ def twin_markdown(report: dict) -> str:
 
 
 TWIN_SENTENCE = ("Each scheme's noise twin rolls out with the fp cache plus independent Gaussian error of the scheme's "
-                 "own stored error power (per trajectory, layer, K/V and head, measured teacher-forced). gap = scheme - "
-                 "twin PSNR vs the fp rollout: near 0 the scheme's error acts like noise of its size; well below 0 it "
-                 "is coherent (it repeats or follows the content and adds up). SQNR: stored vs fp K/V, mean over layers.")
+                 "own stored error power (per trajectory, layer, K/V, head and window of frames, measured "
+                 "teacher-forced). gap = scheme - twin PSNR vs the fp rollout: near 0 the scheme's error acts like "
+                 "noise of its size; well below 0 it is coherent (it repeats or follows the content and adds up). "
+                 "SQNR: stored vs fp K/V, mean over layers.")
 
 
 def markdown(report: dict, command: str, images: dict[str, str]) -> str:
