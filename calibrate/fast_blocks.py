@@ -31,7 +31,6 @@ def token_block(x, tokens: slice) -> Tensor:
     return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
 
 
-
 def pack_token_bits(bits_BGT: Tensor, out_BGC: Tensor, t0: int) -> None:
     """Write bits [B, G, Tb] bool (tokens t0.., t0 a multiple of 8) into their bytes of `out` [B, G, ceil(T/8)]."""
     B, G, Tb = bits_BGT.shape

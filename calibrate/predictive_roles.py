@@ -45,8 +45,8 @@ def check(tensors: Mapping[str, Tensor], token_bits: list[int], anchor_token_bit
     """Invariants of one layer's K or V roles (shapes are checked by the loader before)."""
     if sink_token_bits is not None:
         check_sink(tensors, sink_token_bits, prefix)
-    if refresh_token_bits is not None and reference_token_bits(tensors) != list(refresh_token_bits):
-        raise ValueError(f"tensors '{prefix}.sink_bits' where channel_bits is 0 sum to {reference_token_bits(tensors)} "
+    if refresh_token_bits is not None and (got := reference_token_bits(tensors)) != list(refresh_token_bits):
+        raise ValueError(f"tensors '{prefix}.sink_bits' where channel_bits is 0 sum to {got} "
                          f"per head, the spec's refresh_token_bits says {list(refresh_token_bits)}")
     for role in FLOAT_ROLES:
         t = tensors[role]
