@@ -47,7 +47,7 @@ def measure(world, recipe, trajs, window: int, sinks: int) -> dict:
     stored = shadow.stored["ours"]
     twins = {name: rollout_batch(world, trajs, NoiseTwinCache(L, window, sinks, stored.noise_std(per_window), TWIN_SEED),
                                  cpu, truth=truth)[0] for name, per_window in (("twin", False), ("windowed", True))}
-    sqnr = (10 * torch.log10(stored.sig2.sum(-1) / stored.err2.sum(-1).clamp_min(1e-300))).mean(2)  # [W, B, 2]
+    sqnr = stored.sqnr_db(per_window=True).mean(2)  # [W, B, 2]: mean over layers
     out = {}
     for b, t in enumerate(trajs):
         row = {k: M.window_means(M.psnr(x[b], ref[b])) for k, x in (("scheme", quant), *twins.items())}

@@ -63,10 +63,13 @@ class StoredError:
             self.sig2[w, :, layer, i] += r64.pow(2).sum((-2, -1)).cpu()
         self.count[w, layer] += k_ref.shape[-2] * k_ref.shape[-1]
 
-    def sqnr_db(self) -> Tensor:
-        """10 log10(signal / error) of each trajectory, layer and K/V over the whole rollout, summed
-        over heads: [B, L, 2]."""
-        return 10 * torch.log10(self.sig2.sum((0, -1)) / self.err2.sum((0, -1)).clamp_min(1e-300))
+    def sqnr_db(self, per_window: bool = False) -> Tensor:
+        """10 log10(signal / error) of each trajectory, layer and K/V, summed over heads: over the
+        whole rollout [B, L, 2], or per window [W, B, L, 2] with `per_window`."""
+        sig2, err2 = self.sig2.sum(-1), self.err2.sum(-1)
+        if not per_window:
+            sig2, err2 = sig2.sum(0), err2.sum(0)
+        return 10 * torch.log10(sig2 / err2.clamp_min(1e-300))
 
     def noise_std(self, per_window: bool = True) -> Tensor:
         """The root-mean-square stored error per element, the noise twin's std: per window

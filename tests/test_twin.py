@@ -62,6 +62,9 @@ def test_stored_error_is_the_held_history_against_the_fp_history_per_window():
     assert sqnr.shape == (B, 2, 2)
     assert torch.allclose(sqnr[:, :, 1], 10 * torch.log10(sig2.sum((0, -1)) / (OFFSET ** 2 * sum(tokens) * D * H)), atol=1e-6)
     assert (sqnr[:, :, 0] > 200).all()  # no key error: far above any quantizer
+    per = stored.sqnr_db(per_window=True)  # [W, B, L, 2]
+    for w in (0, 1):
+        assert torch.allclose(per[w, :, :, 1], 10 * torch.log10(sig2[w].sum(-1) / (OFFSET ** 2 * tokens[w] * D * H)), atol=1e-6)
 
 
 def test_a_twin_gives_each_frame_the_power_of_its_window():
