@@ -67,6 +67,11 @@ def window_note(label: str, frames: int) -> str:
     return f" (the nominal label: frames {start}-{frames - 1} here)" if stop.isdigit() and frames < int(stop) else ""
 
 
+def report_name(stem: str, model: str) -> str:
+    """A report's file stem: `stem` for TinyWorld, `<stem>_<model>` for another model."""
+    return stem if model == "tinyworld" else f"{stem}_{model}"
+
+
 def write_report(out_dir: str | Path, name: str, markdown: str, data) -> None:
     """`<name>.md` and `<name>.json` under `out_dir`, each written atomically; the Markdown printed."""
     import json

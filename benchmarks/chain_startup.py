@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, shipped_setup, write_report
+from benchmarks import command_line, report_name, shipped_setup, write_report
 from benchmarks.kv_stats import FrameRecorder
 from calibrate.predictive_roles import head_params
 from calibrate.quant import predictive as P
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         return 2
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     res = {f: per_frame(world, recipe, f, args.frames, window, sinks) for f in families}
-    name = "chain_startup" if args.model == "tinyworld" else f"chain_startup_{args.model}"
+    name = report_name("chain_startup", args.model)
     md = markdown(res, command_line("chain_startup", argv), (time.time() - t0) / 60, str(path))
     write_report(args.out, name, md, res)
     return 0

@@ -53,7 +53,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, shipped_setup, write_report
+from benchmarks import command_line, report_name, shipped_setup, write_report
 from benchmarks.kv_stats import FrameRecorder
 from calibrate.cache import KVCache
 from calibrate.evaluate import metrics as M
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     command = command_line("coherence_study", argv)
     md = markdown(decomp, variants, command, (time.time() - t0) / 60, args.frames,
                   f"recipes/{path.name}, window {window} + {sinks} sink")
-    name = "coherence_study" if args.model == "tinyworld" else f"coherence_study_{args.model}"
+    name = report_name("coherence_study", args.model)
     write_report(args.out, name, md, {"decomposition": decomp, "variants": variants})
     return 0
 

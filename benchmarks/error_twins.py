@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, shipped_setup, window_note, write_report
+from benchmarks import command_line, report_name, shipped_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate.cache import KVCache
 from calibrate.world.trajectories import make_trajectories
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             results[name][t.family]["own_sqnr_k"], results[name][t.family]["own_sqnr_v"] = own
             results[name][t.family]["frame0_sqnr_k"], results[name][t.family]["frame0_sqnr_v"] = first
     md = markdown(results, command_line("error_twins", argv), (time.time() - t0) / 60, args.frames, f"recipes/{path.name}")
-    name = "error_twins" if args.model == "tinyworld" else f"error_twins_{args.model}"
+    name = report_name("error_twins", args.model)
     write_report(args.out, name, md, results)
     return 0
 

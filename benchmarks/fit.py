@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from benchmarks import command_line
+from benchmarks import command_line, report_name
 from calibrate import calibration, pipeline
 from calibrate.adapters import as_world
 from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
                   unrunnable)
     out = Path(args.out)
-    stem = args.name or ("fit" if args.model == "tinyworld" else f"fit_{args.model}")
+    stem = args.name or report_name("fit", args.model)
     write_text_atomic(out / f"{stem}.md", md)
     write_text_atomic(out / f"{stem}.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,
                                                     "fit": records}, indent=1, sort_keys=True, default=str))

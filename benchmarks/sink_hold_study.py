@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, sink_code_setup, window_note, write_report
+from benchmarks import command_line, report_name, sink_code_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate.quant import predictive as P
 from calibrate.world.trajectories import make_trajectories
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     trajs = make_trajectories(FIT_ORDER, "evaluation", 7, args.frames)
     results = {v: roll_variant(world, recipe, trajs, "nearest", 0, 1.0, window, sinks, device,
                                make=lambda v=v: rule_cache(recipe, window, sinks, v)) for v in variants}
-    name = "sink_hold_study" if args.model == "tinyworld" else f"sink_hold_study_{args.model}"
+    name = report_name("sink_hold_study", args.model)
     md = markdown(results, command_line("sink_hold_study", argv), (time.time() - t0) / 60, args.frames, str(path))
     write_report(args.out, name, md, results)
     return 0

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import command_line, shipped_setup, window_note, write_report
+from benchmarks import command_line, report_name, shipped_setup, window_note, write_report
 from benchmarks.coherence_study import FakePredictiveCache, roll_variant
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
@@ -220,8 +220,7 @@ def main(argv=None) -> int:
     command = command_line("static_oracles", argv)
     shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
     md = markdown(results, bits, command, (time.time() - t0) / 60, args.frames, str(shown))
-    name = (f"static_oracles_{path.stem}" if args.recipe else
-            "static_oracles" if args.model == "tinyworld" else f"static_oracles_{args.model}")
+    name = f"static_oracles_{path.stem}" if args.recipe else report_name("static_oracles", args.model)
     write_report(args.out, name, md, {"added_bits": bits, "results": results})
     return 0
 

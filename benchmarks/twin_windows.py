@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks import command_line, shipped_setup, write_report
+from benchmarks import command_line, report_name, shipped_setup, write_report
 from benchmarks.sink_hold_study import FIT_ORDER
 from calibrate.evaluate import metrics as M
 from calibrate.evaluate.twin import TWIN_SEED, NoiseTwinCache
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         return 2
     trajs = make_trajectories(FIT_ORDER, "evaluation", len(FIT_ORDER), args.frames)
     res = measure(world, recipe, trajs, cfg.model.cache.window, cfg.model.cache.sink_frames)
-    name = "twin_windows" if args.model == "tinyworld" else f"twin_windows_{args.model}"
+    name = report_name("twin_windows", args.model)
     md = markdown(res, command_line("twin_windows", argv), (time.time() - t0) / 60, str(path))
     write_report(args.out, name, md, res)
     return 0
