@@ -291,7 +291,7 @@ def markdown(res: dict) -> str:
     m = res["machine"]
     lines = ["# Runtime: time and memory", "",
              f"- date: {res['date']}; command: `{res['command']}`",
-             f"- machine: {m.get('cpu', str(m['cpus']) + ' CPU cores')}, shared with other work (load average {m['load_start']} at the start, "
+             f"- machine: {m['cpu']}, shared with other work (load average {m['load_start']} at the start, "
              f"{m['load_end']} at the end), torch {m['torch']}, {m['threads']} thread; times are CPU seconds of this "
              "process (wall in the JSON)", ""]
     lines += ["## TinyWorld, batch 1, window 16 + 1 sink", "",
