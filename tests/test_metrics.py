@@ -21,10 +21,12 @@ from calibrate.evaluate.metrics import (
     flicker,
     flicker_series,
     flicker_static,
+    frame_change,
     json_safe,
     psnr,
     rel_err,
     revisit_consistency,
+    sorted_windows,
     ssim,
     summarize,
     top_agreement,
@@ -181,6 +183,19 @@ def test_flicker_static():
     d = 0.1
     blinking = torch.stack([torch.full((3, 4, 4), 0.3 + d * (t % 2)) for t in range(5)])
     assert float(flicker_static(blinking)) == pytest.approx(1.0 - d)
+
+
+def test_frame_change_is_the_mean_squared_step_between_frames():
+    x = torch.stack([torch.full((3, 4, 4), v) for v in (0.2, 0.5, 0.5, 0.1)])
+    assert torch.allclose(frame_change(x), torch.tensor([0.09, 0.0, 0.16], dtype=torch.float64))
+    batch = torch.stack([x, x.flip(0)])  # leading axes kept; reversing time reverses the series
+    assert torch.allclose(frame_change(batch)[1], frame_change(x).flip(0))
+    with pytest.raises(ValueError):
+        frame_change(x[:1])
+
+
+def test_window_labels_sort_in_frame_order():
+    assert sorted_windows(["128-256", "0-16", "256+", "16-64"]) == ["0-16", "16-64", "128-256", "256+"]
 
 
 def test_revisit_consistency():

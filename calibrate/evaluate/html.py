@@ -40,6 +40,7 @@ from importlib import resources
 from pathlib import Path
 
 from calibrate.evaluate import metrics as M
+from calibrate.evaluate import motion
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import SchemeRun
 from calibrate.evaluate.sheets import (GROUND_TRUTH, REFERENCE, SHEET_FRAMES, FrameSheets, SheetError, quantized_stream,
@@ -312,17 +313,20 @@ def _memory_table(rep: dict, runs: dict[str, SchemeRun]) -> str:
 
 def _windows_tables(rep: dict) -> str:
     out = []
-    for key, title, digits in (("psnr_ref", "PSNR vs the fp rollout per window (dB): mean (p95)", 2),
-                               ("flicker", "Flicker per window: mean (p95)", 5)):
+    for key, title, digits, note in (("psnr_ref", "PSNR vs the fp rollout per window (dB): mean (p95)", 2, ""),
+                                     ("flicker", "Flicker per window: mean (p95)", 5, ""),
+                                     ("motion", "Motion kept per window: mean (most damped 5%)", 2,
+                                      motion.MOTION_KEPT_SENTENCE)):
         names = list(rep["schemes"])
-        windows = sorted(rep["schemes"][names[0]]["metrics"][key]["windows"], key=lambda w: int(w.split("-")[0].rstrip("+")))
+        windows = M.sorted_windows(rep["schemes"][names[0]]["metrics"][key]["windows"])
         rows = []
         for n in names:
             w = rep["schemes"][n]["metrics"][key]["windows"]
             rows.append([html.escape(n)] + [f"{_fmt(w[x]['mean'], digits)} ({_fmt(w[x]['p95'], digits)})" if x in w else "-"
                                             for x in windows])
-        out.append(f"<h3>{title}</h3>" + _table(["scheme"] + windows, rows, cls="numbers"))
-    return "".join(out) + _twin_table(rep)
+        out.append(f"<h3>{title}</h3>" + (f"<p>{html.escape(note)}</p>" if note else "")
+                   + _table(["scheme"] + windows, rows, cls="numbers"))
+    return "".join(out) + _twin_table(rep) + _motion_table(rep)
 
 
 def _twin_table(rep: dict) -> str:
@@ -333,6 +337,18 @@ def _twin_table(rep: dict) -> str:
     return ("<h3>Coherent error: each scheme against its noise twin</h3>"
             f"<p>{html.escape(report_mod.TWIN_SENTENCE)}</p>"
             + _table(head, [[html.escape(c) for c in r] for r in rows], cls="numbers"))
+
+
+def _motion_table(rep: dict) -> str:
+    """motion.motion_table (does the fp rollout move?), when the model has a ground truth."""
+    head, rows = motion.motion_table(rep)
+    if not rows:
+        return ""
+    cells = [[f"<strong>{html.escape(t)}</strong>" if frozen else html.escape(t) for t, frozen in row] for row in rows]
+    note = motion.frozen_note(rep)
+    return (f"<h3>{html.escape(motion.MOTION_TITLE)}</h3><p>{html.escape(motion.MOTION_SENTENCE)}</p>"
+            + _table(head, cells, cls="numbers")
+            + (f"<p>{html.escape(note)}</p>" if note else ""))
 
 
 def page_data(page: str) -> dict:

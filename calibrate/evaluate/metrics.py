@@ -29,6 +29,10 @@ Temporal behaviour (reductions over time keep the leading batch axes; 0-d for on
 * :func:`flicker_static` - VBench-style temporal-flickering score ``1 - mean_t mean|q_t - q_{t+1}|``
   of a rollout whose camera does not move: any frame-to-frame change is visible as flicker.
   1 is perfectly steady. Report it next to the fp rollout's own score.
+* :func:`frame_change` - ``mean (x_t - x_{t-1})^2`` for t = 1..N-1: how much a rollout moves.
+  The fp rollout's next to the ground truth's says whether the reference every ``PSNR_ref``
+  compares against still follows the camera; a model that has frozen shows the cache the same
+  frame again and again, which flatters any cache (report.reference_motion).
 * :func:`revisit_consistency` - mean PSNR between a frame where the camera returns to an
   earlier view and that earlier frame of the same rollout: whether the model's memory (the
   cache) still holds the place. Quantization that damages old K/V lowers it.
@@ -157,6 +161,14 @@ def flicker_series(q: Tensor, r: Tensor) -> Tensor:
     _check_pair(q, r)
     e = q.double() - r.double()
     return (e[..., 1:, :, :, :] - e[..., :-1, :, :, :]).abs().mean(dim=(-3, -2, -1))
+
+
+def frame_change(x: Tensor) -> Tensor:
+    """``mean (x_t - x_{t-1})^2`` over C, H, W for t = 1..N-1: ``[..., N, C, H, W] -> [..., N-1]``."""
+    if x.dim() < 4 or x.shape[-4] < 2:
+        raise ValueError(f"frame_change needs frames [..., N>=2, C, H, W], got {tuple(x.shape)}")
+    x = x.double()
+    return (x[..., 1:, :, :, :] - x[..., :-1, :, :, :]).square().mean(dim=(-3, -2, -1))
 
 
 def flicker(q: Tensor, r: Tensor) -> Tensor:
@@ -305,6 +317,12 @@ def window_means(
             continue
         out[window_label(start, stop)] = json_safe(x[..., start:stop].mean())
     return out
+
+
+def sorted_windows(labels) -> list[str]:
+    """Window labels in frame order (``"0-16"`` before ``"128-256"`` before ``"256+"``; JSON may
+    hold them sorted as text)."""
+    return sorted(labels, key=lambda w: int(w.split("-")[0].rstrip("+")))
 
 
 def summarize(values: Tensor | Sequence[float], higher_is_better: bool) -> dict[str, float]:

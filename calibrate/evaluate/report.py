@@ -13,6 +13,7 @@ report.json schema (version 1; every number finite):
                 "windows": {"0-16": {"mean", "p95", "worst"}, ...},  # over trajectories
                 "first16": {...}, "all": {...}},                      # per-trajectory means
             "flicker": {"windows": {...}, "all": {...}},
+            "motion": {"windows": {...}},   # the rollout's frame-to-frame change over the fp rollout's
             "drift": {"slope": {...}, "first_below": {"threshold_db", "per_trajectory": [...]}},
             "flicker_static": {"quant": x|null, "fp": y|null},
             "revisit": {"quant": x|null, "fp": y|null},
@@ -21,13 +22,17 @@ report.json schema (version 1; every number finite):
                                                 "sqnr_db": {"k": [L], "v": [L]},  # stored vs fp, teacher-forced
                                                 "windows": {"0-16": {"scheme", "twin", "gap"}, ...}}},
                           "all": {"sqnr_db": {...}, "windows": {...}}}},
-         "per_frame": {"psnr_ref": [N], "flicker": [N-1]}}}}
+         "per_frame": {"psnr_ref": [N], "flicker": [N-1]}}},
+     "reference_motion": {} | {"frozen_below": x, "families": {FAMILY: {WINDOW: {"fp", "truth", "kept"}}}}}
 
 `mean` is over trajectories (and frames within the window); `p95` and `worst` point to the bad
 side (5th percentile / minimum for PSNR and SSIM, 95th percentile / maximum for flicker).
 `twin`: the scheme's PSNR vs the fp rollout next to its noise twin's (evaluate/twin.py), mean
 over the family's trajectories; gap = scheme - twin (below 0: the error's structure costs more
 than its size). SQNR in dB is the mean over trajectories of each layer's stored K or V SQNR.
+`motion` (per scheme: its rollout's frame-to-frame change over the fp rollout's; p95 and worst
+are the most damped trajectories) and `reference_motion` (the fp rollout's over the truth's, per
+family, with a renderer's ground truth) are explained in evaluate/motion.py.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 import torch
 
 from calibrate.evaluate import metrics as M
+from calibrate.evaluate import motion
 from calibrate.evaluate.run import SchemeRun
 from calibrate.shadow import AttentionError
 
@@ -124,6 +130,7 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
             "psnr_gt": _windowed(run, "psnr_gt", True),
             "psnr_fp_gt": _windowed(run, "psnr_fp_gt", True),
             "flicker": _windowed(run, "flicker", False),
+            "motion": motion.motion_kept(run),
             "drift": {
                 "slope": M.summarize([float(M.drift_slope(r.series["err"])) for r in run.trajs], False),
                 "first_below": {
@@ -153,6 +160,7 @@ def build(runs: dict[str, SchemeRun], trajectories: list[dict], config: dict, th
         "trajectories": trajectories,
         "config": config,
         "schemes": {name: scheme_report(name, run, threshold_db) for name, run in runs.items()},
+        "reference_motion": motion.reference_motion(runs),
     }
 
 
@@ -220,17 +228,13 @@ def blind_spot_markdown(report: dict) -> str:
 
 def windows_markdown(report: dict, key: str = "psnr_ref", digits: int = 2) -> str:
     names = list(report["schemes"])
-    windows = _sorted_windows(next(iter(report["schemes"].values()))["metrics"][key]["windows"])
+    windows = M.sorted_windows(next(iter(report["schemes"].values()))["metrics"][key]["windows"])
     lines = ["| scheme | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]
     for n in names:
         w = report["schemes"][n]["metrics"][key]["windows"]
         lines.append(f"| {n} | " + " | ".join(f"{_fmt(w[x]['mean'], digits)} ({_fmt(w[x]['p95'], digits)})" if x in w else "-"
                                              for x in windows) + " |")
     return "\n".join(lines)
-
-
-def _sorted_windows(labels) -> list[str]:
-    return sorted(labels, key=lambda w: int(w.split("-")[0].rstrip("+")))  # JSON may hold them sorted as text
 
 
 def twin_table(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -244,7 +248,7 @@ def twin_table(report: dict) -> tuple[list[str], list[list[str]]]:
             groups.append((name, "all", twin["all"]))
     if not groups:
         return [], []
-    windows = _sorted_windows(groups[0][2]["windows"])
+    windows = M.sorted_windows(groups[0][2]["windows"])
     head = ["scheme", "family", "K SQNR dB", "V SQNR dB"] + [f"{w}: scheme / twin (gap)" for w in windows]
     rows = [[name, fam, *(f"{x:.1f}" for x in mean_sqnr(g))] + [twin_cell(g["windows"].get(w)) for w in windows]
             for name, fam, g in groups]
@@ -303,10 +307,19 @@ def markdown(report: dict, command: str, images: dict[str, str]) -> str:
         "",
         windows_markdown(report, "flicker", digits=5),
         "",
+        "## Motion kept per window: mean (most damped 5%)",
+        "",
+        motion.MOTION_KEPT_SENTENCE,
+        "",
+        windows_markdown(report, "motion"),
+        "",
     ]
     twin = twin_markdown(report)
     if twin:
         parts += ["## Coherent error: each scheme against its noise twin", "", TWIN_SENTENCE, "", twin, ""]
+    moving = motion.motion_markdown(report)
+    if moving:
+        parts += [f"## {motion.MOTION_TITLE}", "", motion.MOTION_SENTENCE, "", moving, ""]
     for title, path in images.items():
         parts += [f"## {title}", "", f"![{title}]({path})", ""]
     return "\n".join(parts)

@@ -45,7 +45,7 @@ from calibrate.world.trajectories import revisit_pairs
 
 log = logging.getLogger(__name__)
 
-PARTIAL_VERSION = "3"  # partial files without this version (or key) are recomputed
+PARTIAL_VERSION = "4"  # partial files without this version (or key) are recomputed
 
 
 @dataclass
@@ -73,7 +73,10 @@ class SchemeRun:
 
 
 def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Tensor, twin: Tensor | None = None,
-                  sqnr_BL2: Tensor | None = None) -> list[TrajResult]:
+                  sqnr_BL2: Tensor | None = None, has_truth: bool = True) -> list[TrajResult]:
+    """Each trajectory's series and scalars, among them how much the quantized and the fp rollout
+    move (`motion_quant`, `motion_fp`: metrics.frame_change) and, with a renderer's ground truth
+    (`has_truth`), the truth (`motion_gt`)."""
     out = []
     for b, traj in enumerate(trajs):
         r, q, g = ref[b], quant[b], truth[b]
@@ -84,7 +87,11 @@ def _traj_results(trajs: list[Trajectory], ref: Tensor, quant: Tensor, truth: Te
             "psnr_fp_gt": M.psnr(r, g),
             "err": M.error_series(q, r),
             "flicker": M.flicker_series(q, r),
+            "motion_quant": M.frame_change(q),
+            "motion_fp": M.frame_change(r),
         }
+        if has_truth:
+            series["motion_gt"] = M.frame_change(g)
         if twin is not None:
             series["psnr_twin"] = M.psnr(twin[b], r)
         pairs = revisit_pairs(traj) if traj.family == "revisit" else []
@@ -248,7 +255,7 @@ def evaluate(world: WorldAdapter, recipes: dict[str, Recipe], trajs: list[Trajec
                     twin_frames, _ = rollout_batch(world, group, twin_cache, device, truth=truth,
                                                    desc=f"{name} noise twin, {where}")
                     sqnr = stored.sqnr_db()
-                results = _traj_results(group, ref, quant, truth, twin_frames, sqnr)
+                results = _traj_results(group, ref, quant, truth, twin_frames, sqnr, has_truth)
                 n = cache.num_frames_seen  # appended frames (frame 0 is given, not generated)
                 memory = {"bytes": cache.nbytes(), "peak_bytes": max(held, default=cache.nbytes()),
                           "predicted_bytes": cache.predicted_nbytes(n, len(group)),
