@@ -1,26 +1,30 @@
-"""Study: does each model's full-precision rollout keep moving with the camera?
+"""Study: does each model's full-precision rollout keep moving with the camera, and does a 2-bit cache damp it?
 
     python -m benchmarks.rollout_motion [--models tinyworld,wanworld] [--frames 256]
+        [--schemes ours,nvfp4,kivi4,kivi2,naive2] [--name rollout_motion]
 
 Every late-window number in the README is PSNR against the model's own full-precision rollout.
 That rollout is only a demanding reference while it keeps changing: a rollout that stops
 following the camera shows the cache the same frame again and again, which any predictive code
 stores almost for free. For each model, this rolls out the held-out set of `fit.md` and
 `compare.md` (evaluation seeds, one trajectory per family, window and sinks from the model's
-preset) with the fp cache and with the shipped recipe, and reports per family and window the mean
-frame-to-frame change, mean over pixels of (x_f - x_(f-1))^2, of the true frames (the renderer
-along the trajectory), of the fp rollout, and of the rollout through the shipped recipe. `kept`
-= fp rollout's change / the truth's: near 1 the model moves as the camera does, far below 1 it
-has frozen; the still camera (truth 0) shows the model's change alone. `ours / fp` says whether
-the 2-bit cache changes how much the rollout moves (below 1: it freezes more; above: it jitters).
+preset) with the fp cache and with each scheme (`ours`: the model's shipped recipe; the others
+are baselines that need no calibration data), and reports per family and window the mean
+frame-to-frame change, mean over pixels of (x_f - x_(f-1))^2 (metrics.frame_change), of the true
+frames (the renderer along the trajectory), of the fp rollout and of each scheme's rollout.
+`kept` = fp rollout's change / the truth's: near 1 the model moves as the camera does, below
+evaluate/motion.FROZEN_BELOW it has frozen; the still camera (truth 0) shows the model's change
+alone. A scheme's change / the fp rollout's says whether its cache changes how much the rollout
+moves (below 1: it damps the motion; above: it jitters).
 
-Writes `rollout_motion.md` + `.json`.
+Writes `<name>.md` + `.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -29,23 +33,33 @@ import torch
 from benchmarks import command_line, shipped_setup, window_note, write_report
 from calibrate.cache import KVCache
 from calibrate.evaluate.metrics import frame_change
+from calibrate.evaluate.motion import FROZEN_BELOW
 from calibrate.fastcache import FastKVCache
 from calibrate.replay import rollout_batch
+from calibrate.schemes import build_baseline
 from calibrate.world.trajectories import make_trajectories
 
 FAMILIES = ("orbit", "dolly", "pan", "revisit", "random_walk", "stress", "static")
 WINDOWS = ((1, 16), (16, 64), (64, 128), (128, 256))
-FROZEN = 0.05  # `kept` below this: the rollout has all but stopped following the camera
 
 
-def measure(model: str, frames: int) -> dict:
-    cfg, world, path, recipe = shipped_setup(model)
+def scheme_recipes(names: list[str], world, shipped):
+    """{name: recipe}: `ours` is the shipped recipe, the others baselines (ValueError in one line
+    for one that needs calibration data or does not exist)."""
+    return {n: shipped if n == "ours" else build_baseline(n, world.info) for n in names}
+
+
+def measure(model: str, frames: int, schemes: list[str]) -> dict:
+    cfg, world, path, shipped = shipped_setup(model)
+    recipes = scheme_recipes(schemes, world, shipped)
     window, sinks = cfg.model.cache.window, cfg.model.cache.sink_frames
     trajs = make_trajectories(list(FAMILIES), "evaluation", len(FAMILIES), frames)
     cpu = torch.device("cpu")
     fp, truth = rollout_batch(world, trajs, KVCache(world.info.num_layers, window, sinks), cpu, desc=f"{model} fp")
-    ours, _ = rollout_batch(world, trajs, FastKVCache(recipe, window, sinks), cpu, truth=truth, desc=f"{model} ours")
-    change = {name: frame_change(x) for name, x in (("truth", truth), ("fp", fp), ("ours", ours))}
+    change = {"truth": frame_change(truth), "fp": frame_change(fp)}
+    for name, recipe in recipes.items():
+        frames_q, _ = rollout_batch(world, trajs, FastKVCache(recipe, window, sinks), cpu, truth=truth, desc=f"{model} {name}")
+        change[name] = frame_change(frames_q)
     rows = {}
     for i, fam in enumerate(FAMILIES):
         rows[fam] = {}
@@ -53,35 +67,42 @@ def measure(model: str, frames: int) -> dict:
             if a >= frames - 1:
                 continue
             part = {name: float(c[i, a - 1:min(b, frames) - 1].mean()) for name, c in change.items()}
-            rows[fam][f"{a}-{b}"] = part | {
+            rows[fam][f"{a}-{b}"] = {
+                "truth": part["truth"], "fp": part["fp"],
                 "kept": part["fp"] / part["truth"] if part["truth"] > 0 else None,
-                "ours_over_fp": part["ours"] / part["fp"] if part["fp"] > 0 else None}
-    return {"recipe": os.path.relpath(path), "window": window, "sink_frames": sinks, "frames": frames, "families": rows}
+                "schemes": {n: {"change": part[n], "over_fp": part[n] / part["fp"] if part["fp"] > 0 else None}
+                            for n in recipes}}
+    return {"recipe": os.path.relpath(path), "window": window, "sink_frames": sinks, "frames": frames,
+            "schemes": list(recipes), "families": rows}
 
 
 def markdown(res: dict, command: str, minutes: float) -> str:
-    lines = ["# Does the full-precision rollout keep moving with the camera?", "",
+    lines = ["# Does the full-precision rollout keep moving with the camera, and does a 2-bit cache damp it?", "",
              f"Command: `{command}`, {minutes:.1f} min (torch threads {torch.get_num_threads()}). The method is in "
-             "`benchmarks/rollout_motion.py`'s docstring: per family and window, the mean frame-to-frame change "
-             "(mean squared pixel difference of consecutive frames) of the fp rollout, `kept` = that over the true "
-             f"frames' change (below {FROZEN}: frozen, in bold), and the rollout through the shipped recipe over "
-             "the fp rollout's (`ours / fp`).", ""]
+             "`benchmarks/rollout_motion.py`'s docstring. Change = mean squared pixel difference of consecutive "
+             f"frames. `kept` = the fp rollout's change over the true frames' (below {FROZEN_BELOW}: frozen, in "
+             "bold); each scheme's change over the fp rollout's (below 1: its cache damps the motion).", ""]
     for model, r in res.items():
         wins = [w for w in (f"{a}-{b}" for a, b in WINDOWS) if w in r["families"][FAMILIES[0]]]
+        heads = [w + window_note(w, r["frames"]) for w in wins]
         lines += [f"## {model}", "",
                   f"Held-out evaluation seeds, one {r['frames']}-frame trajectory per family, window {r['window']} + "
-                  f"{r['sink_frames']} sink; `{r['recipe']}`. Cells: fp change (kept; ours / fp).", "",
-                  "| family | " + " | ".join(w + window_note(w, r["frames"]) for w in wins) + " |",
-                  "|---|" + "---|" * len(wins)]
+                  f"{r['sink_frames']} sink; `ours` = `{r['recipe']}`.", "",
+                  "The fp rollout: its change (kept).", "",
+                  "| family | " + " | ".join(heads) + " |", "|---|" + "---|" * len(wins)]
         for fam, per in r["families"].items():
             cells = []
             for w in wins:
-                c = per[w]
-                kept = "truth still" if c["kept"] is None else (
-                    f"**{c['kept']:.3f}**" if c["kept"] < FROZEN else f"{c['kept']:.3f}")
-                ratio = "-" if c["ours_over_fp"] is None else f"{c['ours_over_fp']:.2f}"
-                cells.append(f"{c['fp']:.1e} ({kept}; {ratio})")
+                kept = per[w]["kept"]
+                shown = "truth still" if kept is None else (f"**{kept:.3f}**" if kept < FROZEN_BELOW else f"{kept:.3f}")
+                cells.append(f"{per[w]['fp']:.1e} ({shown})")
             lines.append(f"| {fam} | " + " | ".join(cells) + " |")
+        late = wins[-1]
+        lines += ["", f"Each scheme's change over the fp rollout's, frames {late}{window_note(late, r['frames'])}:", "",
+                  "| scheme | " + " | ".join(FAMILIES) + " |", "|---|" + "---|" * len(FAMILIES)]
+        for name in r["schemes"]:
+            cells = [r["families"][f][late]["schemes"][name]["over_fp"] for f in FAMILIES]
+            lines.append(f"| {name} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -90,18 +111,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tinyworld,wanworld", help="conf/model presets with a shipped recipe")
     p.add_argument("--frames", type=int, default=256)
+    p.add_argument("--schemes", default="ours,nvfp4,kivi4,kivi2,naive2",
+                   help="ours (the shipped recipe) and baselines that need no calibration data")
+    p.add_argument("--name", default="rollout_motion", help="the report's file stem under --out")
     p.add_argument("--out", default="artifacts/benchmarks")
     args = p.parse_args(argv)
     if args.frames < 3:
         print("rollout_motion: --frames must be at least 3", file=sys.stderr)
         return 2
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+        print(f"rollout_motion: --name {args.name!r}: letters, digits, _ and - only (a file name under --out)",
+              file=sys.stderr)
+        return 2
     t0 = time.time()
     try:
-        res = {m: measure(m, args.frames) for m in args.models.split(",") if m}
+        res = {m: measure(m, args.frames, [n for n in args.schemes.split(",") if n]) for m in args.models.split(",") if m}
     except ValueError as err:
         print(f"rollout_motion: {err}", file=sys.stderr)
         return 2
-    write_report(args.out, "rollout_motion", markdown(res, command_line("rollout_motion", argv), (time.time() - t0) / 60), res)
+    write_report(args.out, args.name, markdown(res, command_line("rollout_motion", argv), (time.time() - t0) / 60), res)
     return 0
 
 
