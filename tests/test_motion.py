@@ -47,6 +47,27 @@ def test_motion_kept_is_the_rollouts_change_over_the_fp_rollouts():
     assert kept["64-128"]["mean"] == pytest.approx(0.65) and kept["64-128"]["worst"] == pytest.approx(0.5)
 
 
+def test_psnr_by_regime_averages_each_windows_psnr_over_the_trajectories_of_each_regime():
+    run = motion_run({"pan": (0.004, 0.01), "orbit": (0.0001, 0.01), "static": (1e-6, 0.0)}, frames=70)
+    for r, psnr in zip(run.trajs, (30.0, 50.0, 20.0)):
+        r.series["psnr_ref"] = torch.full((70,), psnr, dtype=torch.float64)
+    run.trajs[1].series["motion_fp"][30:] = 0.002  # orbit moves again from frame 31 on: 16-64 mixes both
+    run.trajs[1].series["psnr_ref"][16:] = 40.0
+    by = motion.psnr_by_regime(run)
+    assert by["0-16"] == {"moving": {"mean": 30.0, "trajectories": 1}, "frozen": {"mean": 50.0, "trajectories": 1},
+                          "still": {"mean": 20.0, "trajectories": 1}}
+    # orbit on 16-64: fp change (14 x 1e-4 + 34 x 2e-3) / 48 = 1.446e-3 of 0.01: 0.145 >= 0.05, moving
+    assert by["16-64"]["moving"] == {"mean": 35.0, "trajectories": 2} and "frozen" not in by["16-64"]
+    rep = {"schemes": {"ours": {"metrics": {"psnr_by_regime": by}}, "peer": {"metrics": {"psnr_by_regime": {}}}}}
+    head, rows = motion.regime_table(rep)
+    assert head == ["scheme", "0-16 (1/1/1)", "16-64 (2/0/1)", "64-128 (2/0/1)"]
+    assert rows == [["ours", "30.0 / 50.0 / 20.0", "35.0 / - / 20.0", "35.0 / - / 20.0"]]
+    assert motion.psnr_by_regime(SchemeRun(None, [], {}, {})) == {}
+    short = motion_run({"pan": (0.004, 0.01)}, frames=17)  # frame 16 alone in 16-64: no change to judge
+    short.trajs[0].series["psnr_ref"] = torch.full((17,), 30.0, dtype=torch.float64)
+    assert set(motion.psnr_by_regime(short)) == {"0-16"}
+
+
 def test_a_family_that_moves_again_late_is_not_called_frozen():
     run = motion_run({"orbit": (0.0001, 0.01)}, frames=130)
     run.trajs[0].series["motion_fp"][100:] = 0.01  # frozen on 16-64, moving again from frame 101 on
@@ -61,6 +82,8 @@ def test_evaluate_records_how_much_the_fp_rollout_and_the_truth_move(tiny_world)
     assert all(series[k].shape == (5,) for k in ("motion_quant", "motion_fp", "motion_gt"))  # TinyWorld renders the truth
     rep = report_mod.build(runs, [{"family": "pan", "seed": 0, "num_frames": 6}], {}, 30.0)
     assert set(rep["schemes"]["naive2"]["metrics"]["motion"]["windows"]) == {"0-16"}
+    assert rep["schemes"]["naive2"]["metrics"]["psnr_by_regime"]["0-16"]["moving"]["trajectories"] == 1
+    assert "PSNR_ref where the reference moves" in report_mod.markdown(rep, "cmd", {})
     assert "## Motion kept per window" in report_mod.markdown(rep, "cmd", {})
     assert motion.reference_motion(runs)["families"]["pan"]["0-16"]["truth"] > 0
     del series["motion_gt"]  # as for a model without a renderer

@@ -156,6 +156,7 @@ def test_page_is_self_contained_with_the_numbers_at_the_top(evaluated, tmp_path)
     for name in runs:
         assert f"<td>{name}</td>" in page
     assert "Memory and how each recipe was made" in page and "per-token symmetric 2-bit" in page
+    assert page.index("Does the reference move?") < page.index("PSNR_ref where the reference moves")  # with a truth
 
 
 def test_names_are_escaped(evaluated, tmp_path):

@@ -346,9 +346,14 @@ def _motion_table(rep: dict) -> str:
         return ""
     cells = [[f"<strong>{html.escape(t)}</strong>" if frozen else html.escape(t) for t, frozen in row] for row in rows]
     note = motion.frozen_note(rep)
+    regime_head, regime_rows = motion.regime_table(rep)
     return (f"<h3>{html.escape(motion.MOTION_TITLE)}</h3><p>{html.escape(motion.MOTION_SENTENCE)}</p>"
             + _table(head, cells, cls="numbers")
-            + (f"<p>{html.escape(note)}</p>" if note else ""))
+            + (f"<p>{html.escape(note)}</p>" if note else "")
+            + (f"<h4>{html.escape(motion.REGIME_TITLE)} (moving / frozen / still)</h4>"
+               f"<p>{html.escape(motion.REGIME_SENTENCE)}</p>"
+               + _table(regime_head, [[html.escape(c) for c in r] for r in regime_rows], cls="numbers")
+               if regime_rows else ""))
 
 
 def page_data(page: str) -> dict:

@@ -10,6 +10,10 @@ truth, `motion_gt` series, evaluate/run.py):
   does not move, so there is no ratio. The same for every scheme of an evaluation.
 - `motion_kept`: per scheme and window, its rollout's change over the fp rollout's, per trajectory:
   below 1 the quantized cache damps the motion (the rollout lags and smooths), above 1 it jitters.
+- `psnr_by_regime`: per scheme and window, its PSNR_ref averaged separately over the trajectories
+  whose fp rollout moves there, those whose fp rollout froze (as above, per trajectory) and those
+  whose truth stands still, so a mean over near-still images does not hide what happens where the
+  reference moves.
 """
 
 from __future__ import annotations
@@ -38,6 +42,51 @@ def motion_kept(run: SchemeRun) -> dict:
             if fp[w] > 0:
                 windows.setdefault(w, []).append(v / fp[w])
     return {"windows": {w: M.summarize(v, True) for w, v in windows.items()}}
+
+
+REGIMES = ("moving", "frozen", "still")
+REGIME_TITLE = "PSNR_ref where the reference moves, where it froze, on a still camera"
+REGIME_SENTENCE = ("Per window, each scheme's PSNR vs the fp rollout averaged over the trajectories whose fp "
+                   "rollout keeps moving there, those whose fp rollout froze (it changes less than "
+                   f"{FROZEN_BELOW} of the true frames' change) and those whose true frames stand still; "
+                   "the number of trajectories in each is in the header.")
+
+
+def regime(fp_change: float, truth_change: float) -> str:
+    """One trajectory's regime in one window, from the window means of its changes."""
+    if truth_change <= 0:
+        return "still"
+    return "frozen" if fp_change / truth_change < FROZEN_BELOW else "moving"
+
+
+def psnr_by_regime(run: SchemeRun) -> dict:
+    """{window: {regime: {"mean", "trajectories"}}}: the mean over the trajectories of each regime
+    of their window-mean PSNR_ref; {} without a ground truth."""
+    if not run.trajs or "motion_gt" not in run.trajs[0].series:
+        return {}
+    groups: dict[str, dict[str, list[float]]] = {}
+    for r in run.trajs:
+        fp, truth = M.window_means(r.series["motion_fp"]), M.window_means(r.series["motion_gt"])
+        for w, psnr in M.window_means(r.series["psnr_ref"]).items():
+            if w in fp:  # a window holding only the last frame has no change in it
+                groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append(psnr)
+    return {w: {g: {"mean": M.json_safe(sum(v) / len(v)), "trajectories": len(v)} for g, v in per.items()}
+            for w, per in groups.items()}
+
+
+def regime_table(report: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the PSNR_ref-by-regime table: per scheme, "moving / frozen / still" per
+    window, "-" where no trajectory is in a regime; no rows without a ground truth."""
+    per_scheme = {n: s["metrics"].get("psnr_by_regime") or {} for n, s in report.get("schemes", {}).items()}
+    first = next((p for p in per_scheme.values() if p), None)
+    if first is None:
+        return [], []
+    windows = M.sorted_windows(first)
+    counts = ["/".join(str(first[w].get(g, {}).get("trajectories", 0)) for g in REGIMES) for w in windows]
+    head = ["scheme"] + [f"{w} ({c})" for w, c in zip(windows, counts)]
+    rows = [[n] + [" / ".join(f"{p[w][g]['mean']:.1f}" if g in p.get(w, {}) else "-" for g in REGIMES)
+                   for w in windows] for n, p in per_scheme.items() if p]
+    return head, rows
 
 
 def reference_motion(runs: dict[str, SchemeRun]) -> dict:
@@ -108,10 +157,20 @@ def frozen_note(report: dict) -> str:
 
 
 def motion_markdown(report: dict) -> str:
+    """The reference-motion table, its frozen note and the PSNR_ref-by-regime table ("" without a
+    ground truth)."""
     head, rows = motion_table(report)
     if not rows:
         return ""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(f"**{text}**" if frozen else text for text, frozen in row) + " |" for row in rows]
+    lines = _markdown_table(head, [[f"**{text}**" if frozen else text for text, frozen in row] for row in rows])
     note = frozen_note(report)
-    return "\n".join(lines + (["", note] if note else []))
+    lines += ["", note] if note else []
+    head, rows = regime_table(report)
+    if rows:
+        lines += ["", f"**{REGIME_TITLE}** (moving / frozen / still)", "", REGIME_SENTENCE, ""]
+        lines += _markdown_table(head, rows)
+    return "\n".join(lines)
+
+
+def _markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]

@@ -14,6 +14,7 @@ report.json schema (version 1; every number finite):
                 "first16": {...}, "all": {...}},                      # per-trajectory means
             "flicker": {"windows": {...}, "all": {...}},
             "motion": {"windows": {...}},   # the rollout's frame-to-frame change over the fp rollout's
+            "psnr_by_regime": {} | {WINDOW: {"moving" | "frozen" | "still": {"mean", "trajectories"}}},
             "drift": {"slope": {...}, "first_below": {"threshold_db", "per_trajectory": [...]}},
             "flicker_static": {"quant": x|null, "fp": y|null},
             "revisit": {"quant": x|null, "fp": y|null},
@@ -31,8 +32,10 @@ side (5th percentile / minimum for PSNR and SSIM, 95th percentile / maximum for 
 over the family's trajectories; gap = scheme - twin (below 0: the error's structure costs more
 than its size). SQNR in dB is the mean over trajectories of each layer's stored K or V SQNR.
 `motion` (per scheme: its rollout's frame-to-frame change over the fp rollout's; p95 and worst
-are the most damped trajectories) and `reference_motion` (the fp rollout's over the truth's, per
-family, with a renderer's ground truth) are explained in evaluate/motion.py.
+are the most damped trajectories), `psnr_by_regime` (PSNR_ref over the trajectories whose fp
+rollout moves, froze, or whose truth stands still, per window) and `reference_motion` (the fp
+rollout's change over the truth's, per family, with a renderer's ground truth) are explained in
+evaluate/motion.py.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
             "psnr_fp_gt": _windowed(run, "psnr_fp_gt", True),
             "flicker": _windowed(run, "flicker", False),
             "motion": motion.motion_kept(run),
+            "psnr_by_regime": motion.psnr_by_regime(run),
             "drift": {
                 "slope": M.summarize([float(M.drift_slope(r.series["err"])) for r in run.trajs], False),
                 "first_below": {
