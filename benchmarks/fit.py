@@ -44,6 +44,10 @@ at a time at the same budget:
     ours_peak1.5, ours_peak2, ours_peak3  (the sweep of anchor_peak.md, made before today's
                          default) fit.anchor_peak_mult at 1.5, 2 (today's default: ours) and 3
     ours_sink_hold       (sink_hold.md's row, made before today's default) fit.sink_hold=true: ours
+    ours_change_basis    (an addition: off by default) each head's basis from its covariance plus
+                         the covariance of its frame-to-frame change (fit.basis=change) instead of
+                         the covariance alone; ours_change_basis_weight the same with uncoded
+                         components priced at their weight (fit.bit_allocation=waterfill)
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -116,6 +120,8 @@ ABLATIONS = {
     "ours_no_refresh": {"sink_refresh": 0},
     "ours_refresh4": {"sink_refresh": 4},
     "ours_refresh16": {"sink_refresh": 16},
+    "ours_change_basis": {"basis": "change"},
+    "ours_change_basis_weight": {"basis": "change", "bit_allocation": "waterfill"},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")
@@ -145,11 +151,19 @@ def rows_of(runs, rep) -> list[dict]:
             "flicker": m["flicker"]["all"]["mean"],
             "revisit": m["revisit"]["quant"],
             "revisit_fp": m["revisit"]["fp"],
-            "by_family": {r.family: float(r.series["psnr_ref"][128:256].mean()) for r in run.trajs
-                          if len(r.series["psnr_ref"]) > 128},
+            "by_family": family_means(run),
             "twin": m["twin"],
         })
     return rows
+
+
+def family_means(run) -> dict[str, float]:
+    """Frames 128-256 PSNR vs fp per family, the mean over its trajectories (rollouts past frame 128)."""
+    late: dict[str, list[float]] = {}
+    for r in run.trajs:
+        if len(r.series["psnr_ref"]) > 128:
+            late.setdefault(r.family, []).append(float(r.series["psnr_ref"][128:256].mean()))
+    return {f: sum(v) / len(v) for f, v in late.items()}
 
 
 def targets(by: dict[str, dict]) -> list[dict]:
@@ -216,7 +230,7 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         f"(torch threads: {torch.get_num_threads()})"
         + (f"; this run reused the fits of {', '.join(reused)} from an earlier run with the same config (and their "
            "evaluations where that run had finished them).  " if reused else ".  "),
-        f"Held-out evaluation seeds, {ntraj} trajectories (one per family), {frames} frames, window "
+        f"Held-out evaluation seeds, {ntraj} trajectories (families in turn), {frames} frames, window "
         f"{cfg.model.cache.window} + {cfg.model.cache.sink_frames} sink frame. "
         "PSNR vs the full-precision rollout, mean over trajectories (p95 toward the bad side in the last column).",
         "",

@@ -298,12 +298,14 @@ def test_trace_peaks_are_the_largest_deviations_past_the_sink_in_the_fitted_basi
     mean = torch.randn(H, D, generator=g)
     A = torch.randn(H, D, D, generator=g)
     cov = (A @ A.transpose(1, 2)).double()
-    got = trace_peaks(x, mean, cov, pca_basis=True, sink_frames=1)
+    delta = cov * 0.5 + torch.eye(D, dtype=torch.float64)
+    got = trace_peaks(x, mean, cov, delta, "pca", sink_frames=1)
+    change = trace_peaks(x, mean, cov, delta, "change", sink_frames=1)
     for h in range(H):
-        R = FP.pca(cov[h])[1]
-        u = (x[:, h, 1:].reshape(-1, D) - mean[h]) @ R
-        assert torch.equal(got[h], u.abs().amax(0))
-    plain = trace_peaks(x, mean, cov, pca_basis=False, sink_frames=1)
+        for peaks, R in ((got, FP.pca(cov[h])[1]), (change, FP.pca(cov[h] + delta[h])[1])):
+            u = (x[:, h, 1:].reshape(-1, D) - mean[h]) @ R
+            assert torch.equal(peaks[h], u.abs().amax(0))
+    plain = trace_peaks(x, mean, cov, delta, "identity", sink_frames=1)
     assert torch.equal(plain, (x[:, :, 1:] - mean[None, :, None, None]).abs().amax(dim=(0, 2, 3)))
 
 
@@ -387,3 +389,13 @@ def test_a_sink_code_never_clips_a_component_to_fit_16_bits():
     reach = ((1 << (bits - 1).clamp_min(0)) - 1) * unit
     assert int(bits.max()) <= 16 and bool((reach[:3] >= 8.0 * sigma[:3] - unit[:3]).all())
     assert float(bits.float().mean()) <= 6.0
+
+
+def test_the_change_basis_leads_with_what_changes_between_frames():
+    """A channel that barely varies but carries all the frame-to-frame change is the PCA's last
+    component and the `change` basis's first (fit.basis=change: the covariance plus the change's)."""
+    cov = torch.diag(torch.tensor([100.0, 4.0, 1.0, 0.5], dtype=torch.float64))
+    delta = torch.diag(torch.tensor([0.01, 0.01, 0.01, 200.0], dtype=torch.float64))
+    first = lambda R: int(R[:, 0].abs().argmax())
+    assert first(FP.head_basis(cov, "pca", delta)) == 0 and first(FP.head_basis(cov, "change", delta)) == 3
+    assert torch.equal(FP.head_basis(cov, "identity", delta), torch.eye(4))

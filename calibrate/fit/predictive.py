@@ -110,10 +110,16 @@ def pca(cov_DD: Tensor) -> tuple[Tensor, Tensor]:
     return evals.flip(0).clamp_min(0).float(), evecs.flip(-1).float().contiguous()
 
 
-def head_basis(cov_DD: Tensor, pca_basis: bool = True) -> Tensor:
-    """A head's basis [D, D] float32, columns the components: its principal axes (`pca`), or the
-    model's channels themselves (`fit.basis=identity`)."""
-    return pca(cov_DD)[1] if pca_basis else torch.eye(cov_DD.shape[-1])
+def head_basis(cov_DD: Tensor, basis: str = "pca", delta_cov_DD: Tensor | None = None) -> Tensor:
+    """A head's basis [D, D] float32, columns the components: its principal axes (`pca`); those of
+    its covariance plus the covariance of its frame-to-frame change (`change`: the directions that
+    hold what changes as well as what stays, for a code that mostly codes the change); or the
+    model's channels themselves (`identity`)."""
+    if basis == "identity":
+        return torch.eye(cov_DD.shape[-1])
+    if basis == "change":
+        return pca(cov_DD.double() + delta_cov_DD.double())[1]
+    return pca(cov_DD)[1]
 
 
 def sink_widths(sigma_D: Tensor, step: float, sink_sd: float) -> Tensor:

@@ -47,14 +47,14 @@ def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tens
     return mean, cov, delta, sink
 
 
-def trace_peaks(x_BHFTD: Tensor, mean_HD: Tensor, cov_HDD: Tensor, pca_basis: bool, sink_frames: int) -> Tensor:
+def trace_peaks(x_BHFTD: Tensor, mean_HD: Tensor, cov_HDD: Tensor, delta_HDD: Tensor, basis: str, sink_frames: int) -> Tensor:
     """The largest |u_i| per head and component [H, D] float32 over a trace's frames past the sink
     (the sink frames have their own code), in the basis `TensorFit.params` gives `fit_head`
     (`head_basis` of the same covariance)."""
     out = []
     for h in range(x_BHFTD.shape[1]):
         x = x_BHFTD[:, h, sink_frames:].float().reshape(-1, x_BHFTD.shape[-1])
-        R = head_basis(cov_HDD[h], pca_basis)
+        R = head_basis(cov_HDD[h], basis, delta_HDD[h])
         u = (x - mean_HD[h].float()) @ R
         out.append(u.abs().amax(0) if u.numel() else torch.zeros(x.shape[-1]))
     return torch.stack(out)
@@ -83,7 +83,7 @@ class TensorFit:
                     inter_mult=c.inter_mult, clip_sd=cfg.anchor_sd, temporal=cfg.temporal,
                     allocation=cfg.bit_allocation, sink_bits=cfg.sink_bits, sink_sd=cfg.sink_sd,
                     sink_cov_DD=None if self.sink is None else self.sink[h],
-                    rotation_DD=head_basis(self.cov[h], cfg.basis == "pca"),
+                    rotation_DD=head_basis(self.cov[h], cfg.basis, self.delta[h]),
                     peak_D=None if self.peak is None else self.peak[h], peak_mult=cfg.anchor_peak_mult)
             out.append(self._cache[(h, c)])
         return out

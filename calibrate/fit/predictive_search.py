@@ -274,8 +274,8 @@ def _peaks(info: ModelInfo, traces, stats: KVStats, cfg: FitConfig, pre: bool, s
             entry = {}
             for kind in KINDS:
                 stat = stat_kind(kind, pre)
-                mean, cov, _, _ = moments(stats, stat, layer)
-                entry[kind] = trace_peaks(traced(traces[layer], kind, stat), mean, cov, cfg.basis == "pca",
+                mean, cov, delta, _ = moments(stats, stat, layer)
+                entry[kind] = trace_peaks(traced(traces[layer], kind, stat), mean, cov, delta, cfg.basis,
                                           traces[layer].sink_frames).tolist()
         entry = shard.share(layer, entry)
         out.append({kind: torch.tensor(entry[kind], dtype=torch.float32) for kind in KINDS})
