@@ -47,10 +47,11 @@ def moments(stats: KVStats, kind: str, layer: int) -> tuple[Tensor, Tensor, Tens
     return mean, cov, delta, sink
 
 
-def trace_peaks(x_BHFTD: Tensor, mean_HD: Tensor, cov_HDD: Tensor, delta_HDD: Tensor, basis: str, sink_frames: int) -> Tensor:
+def trace_peaks(x_BHFTD: Tensor, mean_HD: Tensor, cov_HDD: Tensor, delta_HDD: Tensor, basis: str,
+                sink_frames: int) -> Tensor:
     """The largest |u_i| per head and component [H, D] float32 over a trace's frames past the sink
     (the sink frames have their own code), in the basis `TensorFit.params` gives `fit_head`
-    (`head_basis` of the same covariance)."""
+    (`head_basis` of the same covariances)."""
     out = []
     for h in range(x_BHFTD.shape[1]):
         x = x_BHFTD[:, h, sink_frames:].float().reshape(-1, x_BHFTD.shape[-1])
