@@ -152,6 +152,7 @@ def rows_of(runs, rep) -> list[dict]:
             "revisit": m["revisit"]["quant"],
             "revisit_fp": m["revisit"]["fp"],
             "by_family": family_means(run),
+            "regimes": {g: v["mean"] for g, v in m["psnr_by_regime"].get("128-256", {}).items()},
             "twin": m["twin"],
         })
     return rows
@@ -248,11 +249,12 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
               for t in tgts]
     fams = list(by["ours"]["by_family"])
     lines += ["", "## Where the remaining error comes from", "",
-              "Frames 128-256, PSNR vs fp per trajectory family:", "",
-              "| scheme | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
-    for name in ("ours", "ours_no_temporal", "ours_scalar", "kivi2", "kivi4"):
-        if name in by:
-            lines.append(f"| {name} | " + " | ".join(fmt(by[name]["by_family"].get(f)) for f in fams) + " |")
+              "Frames 128-256, PSNR vs fp per trajectory family, and over the trajectories whose fp rollout still "
+              "moves there and those where it froze (evaluate/motion.py; the still camera is `static`):", "",
+              "| scheme | " + " | ".join(fams) + " | moving | frozen |", "|---|" + "---|" * (len(fams) + 2)]
+    for name, r in by.items():
+        lines.append(f"| {name} | " + " | ".join(fmt(r["by_family"].get(f)) for f in fams)
+                     + f" | {fmt(r['regimes'].get('moving'))} | {fmt(r['regimes'].get('frozen'))} |")
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "
