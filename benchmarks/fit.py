@@ -152,7 +152,7 @@ def rows_of(runs, rep) -> list[dict]:
             "revisit": m["revisit"]["quant"],
             "revisit_fp": m["revisit"]["fp"],
             "by_family": family_means(run),
-            "regimes": {g: v["mean"] for g, v in m["psnr_by_regime"].get("128-256", {}).items()},
+            "regimes": m["psnr_by_regime"].get("128-256", {}),
             "twin": m["twin"],
         })
     return rows
@@ -250,11 +250,15 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
     fams = list(by["ours"]["by_family"])
     lines += ["", "## Where the remaining error comes from", "",
               "Frames 128-256, PSNR vs fp per trajectory family, and over the trajectories whose fp rollout still "
-              "moves there and those where it froze (evaluate/motion.py; the still camera is `static`):", "",
-              "| scheme | " + " | ".join(fams) + " | moving | frozen |", "|---|" + "---|" * (len(fams) + 2)]
+              "moves there and those where it froze (evaluate/motion.py; the still camera is `static`); the last "
+              "column is how much the recipe's rollout moves where the fp one does, over the fp rollout's change "
+              "(below 1 it damps the motion):", "",
+              "| scheme | " + " | ".join(fams) + " | moving | frozen | motion kept, moving |",
+              "|---|" + "---|" * (len(fams) + 3)]
     for name, r in by.items():
+        moving, frozen = r["regimes"].get("moving", {}), r["regimes"].get("frozen", {})
         lines.append(f"| {name} | " + " | ".join(fmt(r["by_family"].get(f)) for f in fams)
-                     + f" | {fmt(r['regimes'].get('moving'))} | {fmt(r['regimes'].get('frozen'))} |")
+                     + f" | {fmt(moving.get('mean'))} | {fmt(frozen.get('mean'))} | {fmt(moving.get('motion_kept'))} |")
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "

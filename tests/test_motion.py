@@ -52,16 +52,21 @@ def test_psnr_by_regime_averages_each_windows_psnr_over_the_trajectories_of_each
     for r, psnr in zip(run.trajs, (30.0, 50.0, 20.0)):
         r.series["psnr_ref"] = torch.full((70,), psnr, dtype=torch.float64)
     run.trajs[1].series["motion_fp"][30:] = 0.002  # orbit moves again from frame 31 on: 16-64 mixes both
+    run.trajs[1].series["motion_quant"][30:] = 0.002  # (and its rollout with it: motion kept 1)
     run.trajs[1].series["psnr_ref"][16:] = 40.0
+    run.trajs[0].series["motion_quant"] *= 0.5  # pan's rollout moves half as much as the fp one
     by = motion.psnr_by_regime(run)
-    assert by["0-16"] == {"moving": {"mean": 30.0, "trajectories": 1}, "frozen": {"mean": 50.0, "trajectories": 1},
-                          "still": {"mean": 20.0, "trajectories": 1}}
+    assert by["0-16"] == {"moving": {"mean": 30.0, "trajectories": 1, "motion_kept": 0.5},
+                          "frozen": {"mean": 50.0, "trajectories": 1, "motion_kept": 1.0},
+                          "still": {"mean": 20.0, "trajectories": 1, "motion_kept": 1.0}}
     # orbit on 16-64: fp change (14 x 1e-4 + 34 x 2e-3) / 48 = 1.446e-3 of 0.01: 0.145 >= 0.05, moving
-    assert by["16-64"]["moving"] == {"mean": 35.0, "trajectories": 2} and "frozen" not in by["16-64"]
+    assert by["16-64"]["moving"] == {"mean": 35.0, "trajectories": 2, "motion_kept": pytest.approx(0.75)}
+    assert "frozen" not in by["16-64"]
     rep = {"schemes": {"ours": {"metrics": {"psnr_by_regime": by}}, "peer": {"metrics": {"psnr_by_regime": {}}}}}
     head, rows = motion.regime_table(rep)
     assert head == ["scheme", "0-16 (1/1/1)", "16-64 (2/0/1)", "64-128 (2/0/1)"]
-    assert rows == [["ours", "30.0 / 50.0 / 20.0", "35.0 / - / 20.0", "35.0 / - / 20.0"]]
+    assert rows == [["ours", "30.0 (0.50) / 50.0 (1.00) / 20.0 (1.00)", "35.0 (0.75) / - / 20.0 (1.00)",
+                     "35.0 (0.75) / - / 20.0 (1.00)"]]
     assert motion.psnr_by_regime(SchemeRun(None, [], {}, {})) == {}
     short = motion_run({"pan": (0.004, 0.01)}, frames=17)  # frame 16 alone in 16-64: no change to judge
     short.trajs[0].series["psnr_ref"] = torch.full((17,), 30.0, dtype=torch.float64)

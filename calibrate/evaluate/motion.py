@@ -48,8 +48,9 @@ REGIMES = ("moving", "frozen", "still")
 REGIME_TITLE = "PSNR_ref where the reference moves, where it froze, on a still camera"
 REGIME_SENTENCE = ("Per window, each scheme's PSNR vs the fp rollout averaged over the trajectories whose fp "
                    "rollout keeps moving there, those whose fp rollout froze (it changes less than "
-                   f"{FROZEN_BELOW} of the true frames' change) and those whose true frames stand still; "
-                   "the number of trajectories in each is in the header.")
+                   f"{FROZEN_BELOW} of the true frames' change) and those whose true frames stand still, with "
+                   "its motion kept there in brackets (its rollout's change over the fp rollout's: below 1 it "
+                   "damps the motion); the number of trajectories in each is in the header.")
 
 
 def regime(fp_change: float, truth_change: float) -> str:
@@ -60,18 +61,27 @@ def regime(fp_change: float, truth_change: float) -> str:
 
 
 def psnr_by_regime(run: SchemeRun) -> dict:
-    """{window: {regime: {"mean", "trajectories"}}}: the mean over the trajectories of each regime
-    of their window-mean PSNR_ref; {} without a ground truth."""
+    """{window: {regime: {"mean", "motion_kept", "trajectories"}}}: over the trajectories of each
+    regime, the mean of their window-mean PSNR_ref and of their motion kept (the rollout's change
+    over the fp rollout's; None where the fp rollout did not change); {} without a ground truth."""
     if not run.trajs or "motion_gt" not in run.trajs[0].series:
         return {}
-    groups: dict[str, dict[str, list[float]]] = {}
+    groups: dict[str, dict[str, list[tuple[float, float | None]]]] = {}
     for r in run.trajs:
         fp, truth = M.window_means(r.series["motion_fp"]), M.window_means(r.series["motion_gt"])
+        quant = M.window_means(r.series["motion_quant"])
         for w, psnr in M.window_means(r.series["psnr_ref"]).items():
             if w in fp:  # a window holding only the last frame has no change in it
-                groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append(psnr)
-    return {w: {g: {"mean": M.json_safe(sum(v) / len(v)), "trajectories": len(v)} for g, v in per.items()}
-            for w, per in groups.items()}
+                kept = quant[w] / fp[w] if fp[w] > 0 else None
+                groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append((psnr, kept))
+    out = {}
+    for w, per in groups.items():
+        out[w] = {}
+        for g, v in per.items():
+            kept = [k for _, k in v if k is not None]
+            out[w][g] = {"mean": M.json_safe(sum(p for p, _ in v) / len(v)), "trajectories": len(v),
+                         "motion_kept": M.json_safe(sum(kept) / len(kept)) if kept else None}
+    return out
 
 
 def regime_table(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -84,9 +94,16 @@ def regime_table(report: dict) -> tuple[list[str], list[list[str]]]:
     windows = M.sorted_windows(first)
     counts = ["/".join(str(first[w].get(g, {}).get("trajectories", 0)) for g in REGIMES) for w in windows]
     head = ["scheme"] + [f"{w} ({c})" for w, c in zip(windows, counts)]
-    rows = [[n] + [" / ".join(f"{p[w][g]['mean']:.1f}" if g in p.get(w, {}) else "-" for g in REGIMES)
-                   for w in windows] for n, p in per_scheme.items() if p]
+    rows = [[n] + [" / ".join(_regime_cell(p.get(w, {}).get(g)) for g in REGIMES) for w in windows]
+            for n, p in per_scheme.items() if p]
     return head, rows
+
+
+def _regime_cell(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    kept = c.get("motion_kept")  # reports made before it was recorded have none
+    return f"{c['mean']:.1f}" + ("" if kept is None else f" ({kept:.2f})")
 
 
 def reference_motion(runs: dict[str, SchemeRun]) -> dict:

@@ -14,7 +14,7 @@ report.json schema (version 1; every number finite):
                 "first16": {...}, "all": {...}},                      # per-trajectory means
             "flicker": {"windows": {...}, "all": {...}},
             "motion": {"windows": {...}},   # the rollout's frame-to-frame change over the fp rollout's
-            "psnr_by_regime": {} | {WINDOW: {"moving" | "frozen" | "still": {"mean", "trajectories"}}},
+            "psnr_by_regime": {} | {WINDOW: {"moving" | "frozen" | "still": {"mean", "motion_kept", "trajectories"}}},
             "drift": {"slope": {...}, "first_below": {"threshold_db", "per_trajectory": [...]}},
             "flicker_static": {"quant": x|null, "fp": y|null},
             "revisit": {"quant": x|null, "fp": y|null},
