@@ -33,14 +33,20 @@ MOTION_SENTENCE = ("Every PSNR_ref above compares against the model's own full-p
                    f"camera does; below {FROZEN_BELOW}, in bold: frozen).")
 
 
+def kept_per_window(series: dict) -> dict[str, float | None]:
+    """One trajectory's rollout change over its fp rollout's change, per window (None where the fp
+    rollout did not change)."""
+    quant, fp = M.window_means(series["motion_quant"]), M.window_means(series["motion_fp"])
+    return {w: v / fp[w] if fp[w] > 0 else None for w, v in quant.items()}
+
+
 def motion_kept(run: SchemeRun) -> dict:
     """Per window, summarize over trajectories of (rollout's change) / (fp rollout's change)."""
     windows: dict[str, list[float]] = {}
     for r in run.trajs:
-        quant, fp = M.window_means(r.series["motion_quant"]), M.window_means(r.series["motion_fp"])
-        for w, v in quant.items():
-            if fp[w] > 0:
-                windows.setdefault(w, []).append(v / fp[w])
+        for w, kept in kept_per_window(r.series).items():
+            if kept is not None:
+                windows.setdefault(w, []).append(kept)
     return {"windows": {w: M.summarize(v, True) for w, v in windows.items()}}
 
 
@@ -69,11 +75,10 @@ def psnr_by_regime(run: SchemeRun) -> dict:
     groups: dict[str, dict[str, list[tuple[float, float | None]]]] = {}
     for r in run.trajs:
         fp, truth = M.window_means(r.series["motion_fp"]), M.window_means(r.series["motion_gt"])
-        quant = M.window_means(r.series["motion_quant"])
+        kept = kept_per_window(r.series)
         for w, psnr in M.window_means(r.series["psnr_ref"]).items():
             if w in fp:  # a window holding only the last frame has no change in it
-                kept = quant[w] / fp[w] if fp[w] > 0 else None
-                groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append((psnr, kept))
+                groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append((psnr, kept[w]))
     out = {}
     for w, per in groups.items():
         out[w] = {}
