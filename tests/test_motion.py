@@ -34,7 +34,7 @@ def test_reference_motion_is_the_fp_rollouts_change_over_the_truths_per_family_a
     assert ref["families"]["static"]["0-16"]["kept"] is None  # the truth does not move: no ratio
     rep = {"reference_motion": ref}
     assert motion.frozen_families(rep) == {"orbit": "0-16"}
-    md = motion.motion_markdown(rep)
+    md = report_mod.motion_markdown(rep)
     assert "| orbit | **0.010** | **0.010** | **0.010** |" in md and "| pan | 0.400 |" in md
     assert "Frozen reference: orbit from frames 0-16." in md
 
@@ -92,4 +92,4 @@ def test_evaluate_records_how_much_the_fp_rollout_and_the_truth_move(tiny_world)
     assert "## Motion kept per window" in report_mod.markdown(rep, "cmd", {})
     assert motion.reference_motion(runs)["families"]["pan"]["0-16"]["truth"] > 0
     del series["motion_gt"]  # as for a model without a renderer
-    assert motion.reference_motion(runs) == {} and motion.motion_markdown({"reference_motion": {}}) == ""
+    assert motion.reference_motion(runs) == {} and report_mod.motion_markdown({"reference_motion": {}}) == ""

@@ -176,23 +176,3 @@ def frozen_note(report: dict) -> str:
     return ("Frozen reference: " + "; ".join(f"{fam} from frames {w}" for fam, w in frozen.items())
             + ". There the model has all but stopped following the camera, and every scheme's PSNR vs the fp "
             "rollout scores a near-still image, which any cache that predicts across frames stores cheaply.")
-
-
-def motion_markdown(report: dict) -> str:
-    """The reference-motion table, its frozen note and the PSNR_ref-by-regime table ("" without a
-    ground truth)."""
-    head, rows = motion_table(report)
-    if not rows:
-        return ""
-    lines = _markdown_table(head, [[f"**{text}**" if frozen else text for text, frozen in row] for row in rows])
-    note = frozen_note(report)
-    lines += ["", note] if note else []
-    head, rows = regime_table(report)
-    if rows:
-        lines += ["", f"**{REGIME_TITLE}** (moving / frozen / still)", "", REGIME_SENTENCE, ""]
-        lines += _markdown_table(head, rows)
-    return "\n".join(lines)
-
-
-def _markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]

@@ -270,11 +270,32 @@ def twin_cell(window: dict | None) -> str:
     return "-" if window is None else f"{_fmt(window['scheme'])} / {_fmt(window['twin'])} ({window['gap']:+.1f})"
 
 
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def twin_markdown(report: dict) -> str:
     head, rows = twin_table(report)
     if not rows:
         return ""
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join(markdown_table(head, rows))
+
+
+def motion_markdown(report: dict) -> str:
+    """motion.motion_table with bold frozen cells, its frozen note and motion.regime_table ("" without a
+    ground truth)."""
+    head, rows = motion.motion_table(report)
+    if not rows:
+        return ""
+    lines = markdown_table(head, [[f"**{text}**" if frozen else text for text, frozen in row] for row in rows])
+    note = motion.frozen_note(report)
+    lines += ["", note] if note else []
+    head, rows = motion.regime_table(report)
+    if rows:
+        lines += ["", f"**{motion.REGIME_TITLE}** (moving / frozen / still)", "", motion.REGIME_SENTENCE, ""]
+        lines += markdown_table(head, rows)
+    return "\n".join(lines)
 
 
 TWIN_SENTENCE = ("Each scheme's noise twin rolls out with the fp cache plus independent Gaussian error of the scheme's "
@@ -321,7 +342,7 @@ def markdown(report: dict, command: str, images: dict[str, str]) -> str:
     twin = twin_markdown(report)
     if twin:
         parts += ["## Coherent error: each scheme against its noise twin", "", TWIN_SENTENCE, "", twin, ""]
-    moving = motion.motion_markdown(report)
+    moving = motion_markdown(report)
     if moving:
         parts += [f"## {motion.MOTION_TITLE}", "", motion.MOTION_SENTENCE, "", moving, ""]
     for title, path in images.items():
