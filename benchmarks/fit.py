@@ -9,9 +9,11 @@ at a time at the same budget:
     ours_post_rotary     keys coded after the rotary encoding
     ours_no_pca          the model's channels as the basis (no PCA)
     ours_uniform_bits    the same width for every component (no water-filling)
-    ours_uncoded_as_weight  the water-filling pricing an uncoded component at its weight
-                         (fit.bit_allocation=waterfill, the previous release) instead of its whole
-                         variance (fit/predictive.py)
+    ours_pca_basis       each head's basis from its covariance alone (fit.basis=pca, the previous
+                         release) instead of its covariance plus its frame-to-frame change's
+    ours_variance_pricing  the water-filling pricing an uncoded component at its whole variance
+                         (fit.bit_allocation=waterfill_variance, the previous release) instead of
+                         its weight (fit/predictive.py)
     ours_reach4          anchors that reach 4 deviations of each component (fit.anchor_sd=4, the
                          previous release) instead of 6
     ours_no_peak         anchors of one reach for every component (fit.anchor_peak_mult=0, the
@@ -38,16 +40,15 @@ at a time at the same budget:
     ours_sink4, ours_sink8  (sweeps, not ablations) the sink code at 4 or 8 bits per component
     ours_uncoded_as_variance, ours_variance_reach6, _reach8, _reach12  (sweeps of
                          anchor_reach_sink.md, made before today's default) the variance pricing
-                         with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd); at
-                         today's default the first is the same setting as ours_reach4 and the
-                         second as ours, kept under the names that report's command uses
+                         with anchors that reach 4, 6, 8 or 12 deviations (fit.anchor_sd), kept
+                         under the names that report's command uses (a rerun fits them at
+                         today's other defaults, the change basis among them)
     ours_peak1.5, ours_peak2, ours_peak3  (the sweep of anchor_peak.md, made before today's
                          default) fit.anchor_peak_mult at 1.5, 2 (today's default: ours) and 3
     ours_sink_hold       (sink_hold.md's row, made before today's default) fit.sink_hold=true: ours
-    ours_change_basis    (an addition: off by default) each head's basis from its covariance plus
-                         the covariance of its frame-to-frame change (fit.basis=change) instead of
-                         the covariance alone; ours_change_basis_weight the same with uncoded
-                         components priced at their weight (fit.bit_allocation=waterfill)
+    ours_uncoded_as_weight, ours_change_basis, ours_change_basis_weight  (basis_change.md's and
+                         fit_wanworld_pricing.md's rows, made before today's default, which is
+                         both: the three now equal ours)
 
 and evaluates every recipe and every baseline on held-out evaluation seeds (all families,
 256-frame rollouts, window 16 + 1 sink). It writes `fit.md` + `fit.json`: measured bits per
@@ -96,7 +97,7 @@ ABLATIONS = {
     "ours_post_rotary": {"pre_rotary": False},
     "ours_no_pca": {"basis": "identity"},
     "ours_uniform_bits": {"bit_allocation": "uniform"},
-    "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance", "anchor_sd": 4.0},  # before both became the default
+    "ours_uncoded_as_variance": {"bit_allocation": "waterfill_variance", "anchor_sd": 4.0},  # anchor_reach_sink.md's sweep
     "ours_no_mixed": {"mixed_precision": False},
     "ours_no_refine": {"refine_steps": False},
     "ours_wide_base": {"base_bits_max": 2.0},
@@ -106,7 +107,7 @@ ABLATIONS = {
     "ours_no_sink_code": {"sink_bits": 0.0},
     "ours_sink4": {"sink_bits": 4.0},
     "ours_sink8": {"sink_bits": 8.0},
-    "ours_uncoded_as_weight": {"bit_allocation": "waterfill"},
+    "ours_uncoded_as_weight": {"bit_allocation": "waterfill"},  # the default since fit_wanworld_pricing.md: equals ours
     "ours_reach4": {"anchor_sd": 4.0},
     "ours_variance_reach6": {"bit_allocation": "waterfill_variance", "anchor_sd": 6.0},
     "ours_variance_reach8": {"bit_allocation": "waterfill_variance", "anchor_sd": 8.0},
@@ -120,8 +121,10 @@ ABLATIONS = {
     "ours_no_refresh": {"sink_refresh": 0},
     "ours_refresh4": {"sink_refresh": 4},
     "ours_refresh16": {"sink_refresh": 16},
-    "ours_change_basis": {"basis": "change"},
-    "ours_change_basis_weight": {"basis": "change", "bit_allocation": "waterfill"},
+    "ours_change_basis": {"basis": "change"},  # the default since basis_change.md: equals ours
+    "ours_change_basis_weight": {"basis": "change", "bit_allocation": "waterfill"},  # equals ours
+    "ours_pca_basis": {"basis": "pca"},
+    "ours_variance_pricing": {"bit_allocation": "waterfill_variance"},
 }
 BASELINES = "naive2,kivi2,kivi2_lowmem,quarot2,kvquant2,qvg2,qvg2_lowmem,qvg2_static,turbo2.5,jensen2,kivi4"
 WINDOWS = ("0-16", "16-64", "64-128", "128-256")

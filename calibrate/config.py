@@ -107,8 +107,8 @@ class FitConfig:
     # code=predictive (the default):
     temporal: bool = True  # tokens may be coded against the previous frame (false: every frame intra-coded)
     pre_rotary: bool = True  # keys coded before the rotary encoding when the model gives rotary coordinates
-    basis: str = "pca"  # pca: each head's principal axes | change: those of its covariance plus its frame-to-frame change's | identity: the model's channels
-    bit_allocation: str = "waterfill_variance"  # waterfill_variance: an uncoded component priced at its variance | waterfill: at its weight | uniform
+    basis: str = "change"  # change: each head's principal axes of its covariance plus its frame-to-frame change's | pca: of its covariance | identity: the model's channels
+    bit_allocation: str = "waterfill"  # waterfill: an uncoded component priced at its weight | waterfill_variance: at its variance | uniform
     intra_mults: list[float] = field(default_factory=lambda: [1.0, 1.3, 1.7])  # intra step / Gaussian-optimal step
     intra_mult_max: float = 8.0  # the intra grid grows past its top (x1.3) while a head chooses the top, up to this
     inter_mults: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.4])  # inter step / Gaussian-optimal step

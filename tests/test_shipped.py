@@ -101,3 +101,21 @@ def test_a_regular_install_resolves_shipped_names_from_another_directory(tmp_pat
 
 def test_shipped_module_finds_the_checkout_recipes():
     assert shipped.RECIPE_DIR == REPO / "recipes"
+
+
+@pytest.mark.parametrize("name", ["tinyworld-ours-2bit", "wanworld-ours-2bit"])
+def test_shipped_recipes_are_fits_of_todays_default(name):
+    """A shipped `ours` recipe records the fit config it came from: today's defaults for its
+    model, so a changed default means a refit (and the reports that quote the recipe)."""
+    import json
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+
+    from calibrate.config import CONF_DIR, to_config
+    from calibrate.recipe import load_recipe
+
+    recorded = json.loads(load_recipe(resolve_recipe(name)).metadata["calibration"])["config"]
+    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+        today = to_config(compose(config_name="config", overrides=[f"model={recorded['model']['name']}"]))
+    assert recorded["fit"] == json.loads(json.dumps(asdict(today.fit)))
