@@ -1,15 +1,21 @@
-"""Shipped recipes are found by name from any directory, in a checkout and after a regular install."""
+"""Shipped recipes are found by name from any directory, in a checkout and after a regular install,
+and are fits of today's defaults."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tomllib
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from calibrate import shipped
+from calibrate.config import CONF_DIR, to_config
+from calibrate.recipe import load_recipe
 from calibrate.shipped import RECIPE_DIR, resolve_recipe, shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,14 +113,6 @@ def test_shipped_module_finds_the_checkout_recipes():
 def test_shipped_recipes_are_fits_of_todays_default(name):
     """A shipped `ours` recipe records the fit config it came from: today's defaults for its
     model, so a changed default means a refit (and the reports that quote the recipe)."""
-    import json
-    from dataclasses import asdict
-
-    from hydra import compose, initialize_config_dir
-
-    from calibrate.config import CONF_DIR, to_config
-    from calibrate.recipe import load_recipe
-
     recorded = json.loads(load_recipe(resolve_recipe(name)).metadata["calibration"])["config"]
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         today = to_config(compose(config_name="config", overrides=[f"model={recorded['model']['name']}"]))
