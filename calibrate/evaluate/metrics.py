@@ -289,6 +289,12 @@ def json_safe(x: float, higher_is_better: bool = True) -> float:
     return max(-JSON_CAP, min(JSON_CAP, x))
 
 
+def optional_mean(values: Iterable[float | None]) -> float | None:
+    """The json_safe mean of the values that are not None; None when there are none."""
+    values = [v for v in values if v is not None]
+    return json_safe(sum(values) / len(values)) if values else None
+
+
 def window_index(index: int, windows: Iterable[tuple[int, int | None]] = DEFAULT_WINDOWS) -> int:
     """Which of `windows` frame `index` lies in (the last one past their end)."""
     windows = list(windows)

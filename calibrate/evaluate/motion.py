@@ -79,14 +79,9 @@ def psnr_by_regime(run: SchemeRun) -> dict:
         for w, psnr in M.window_means(r.series["psnr_ref"]).items():
             if w in fp:  # a window holding only the last frame has no change in it
                 groups.setdefault(w, {}).setdefault(regime(fp[w], truth[w]), []).append((psnr, kept[w]))
-    out = {}
-    for w, per in groups.items():
-        out[w] = {}
-        for g, v in per.items():
-            kept = [k for _, k in v if k is not None]
-            out[w][g] = {"mean": M.json_safe(sum(p for p, _ in v) / len(v)), "trajectories": len(v),
-                         "motion_kept": M.json_safe(sum(kept) / len(kept)) if kept else None}
-    return out
+    return {w: {g: {"mean": M.optional_mean(p for p, _ in v), "trajectories": len(v),
+                    "motion_kept": M.optional_mean(k for _, k in v)} for g, v in per.items()}
+            for w, per in groups.items()}
 
 
 def regime_table(report: dict) -> tuple[list[str], list[list[str]]]:

@@ -76,11 +76,6 @@ def _mean_series(run: SchemeRun, key: str) -> list[float]:
     return [M.json_safe(float(x)) for x in torch.stack(rows).mean(0)]
 
 
-def _optional_mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return M.json_safe(sum(values) / len(values)) if values else None
-
-
 def _twin_group(trajs) -> dict:
     L = len(trajs[0].sqnr_db["k"])
     windows = {}
@@ -142,10 +137,10 @@ def scheme_report(name: str, run: SchemeRun, threshold_db: float) -> dict:
                     "per_trajectory": [M.first_below(r.series["psnr_ref"], threshold_db) for r in run.trajs],
                 },
             },
-            "flicker_static": {"quant": _optional_mean(r.static_q for r in run.trajs),
-                               "fp": _optional_mean(r.static_fp for r in run.trajs)},
-            "revisit": {"quant": _optional_mean(r.revisit_q for r in run.trajs),
-                        "fp": _optional_mean(r.revisit_fp for r in run.trajs)},
+            "flicker_static": {"quant": M.optional_mean(r.static_q for r in run.trajs),
+                               "fp": M.optional_mean(r.static_fp for r in run.trajs)},
+            "revisit": {"quant": M.optional_mean(r.revisit_q for r in run.trajs),
+                        "fp": M.optional_mean(r.revisit_fp for r in run.trajs)},
             "attention": {} if attn is None else {
                 "kl": [M.json_safe(x, False) for x in attn.kl()],
                 "top_agreement": [M.json_safe(x) for x in attn.top_agreement()],
