@@ -31,17 +31,24 @@ def token_block(x, tokens: slice) -> Tensor:
     return x[:, :, tokens] if isinstance(x, Tensor) else x.block(tokens)
 
 
+_BIT_VALUES: dict[torch.device, Tensor] = {}  # 1, 2, 4, ..., 128 as uint8, per device
+
+
+def _bit_values(device: torch.device) -> Tensor:
+    if device not in _BIT_VALUES:
+        _BIT_VALUES[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
+    return _BIT_VALUES[device]
+
+
 def pack_token_bits(bits_BGT: Tensor, out_BGC: Tensor, t0: int) -> None:
     """Write bits [B, G, Tb] bool (tokens t0.., t0 a multiple of 8) into their bytes of `out` [B, G, ceil(T/8)]."""
     B, G, Tb = bits_BGT.shape
     bits = bits_BGT if Tb % 8 == 0 else torch.nn.functional.pad(bits_BGT, (0, -Tb % 8))
-    shift = torch.arange(8, dtype=torch.int32, device=bits.device)
-    byte = (bits.view(B, G, -1, 8).to(torch.int32) << shift).sum(-1, dtype=torch.int32)
-    out_BGC[..., t0 // 8: t0 // 8 + byte.shape[-1]] = byte.to(torch.uint8)
+    byte = (bits.view(B, G, -1, 8).to(torch.uint8) * _bit_values(bits.device)).sum(-1, dtype=torch.uint8)
+    out_BGC[..., t0 // 8: t0 // 8 + byte.shape[-1]] = byte
 
 
 def unpack_token_bits(rows: Tensor, tokens: slice) -> Tensor:
     """Bits [..., Tb] bool of `tokens` (tokens.start a multiple of 8) from byte rows [..., ceil(T/8)] uint8."""
     b = rows[..., tokens.start // 8: -(-tokens.stop // 8)]
-    shift = torch.arange(8, dtype=torch.uint8, device=rows.device)
-    return ((b.unsqueeze(-1) >> shift) & 1).flatten(-2)[..., : tokens.stop - tokens.start].bool()
+    return (b.unsqueeze(-1) & _bit_values(rows.device)).ne(0).flatten(-2)[..., : tokens.stop - tokens.start]

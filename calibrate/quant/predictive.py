@@ -49,6 +49,7 @@ lo/hi from [0, n] and, for inter, the anchor range. Shape legend: B batch, T tok
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -92,15 +93,30 @@ class PredictiveParams:
     def has_sink(self) -> bool:
         return self.sink_unit_D is not None
 
-    @property
+    # Derived tensors, made once per code (a runtime encodes every frame with the same code; the
+    # tensors of a code are never modified in place).
+    @cached_property
     def levels_D(self) -> Tensor:
         """n_i = 2^b_i - 1 (the largest code)."""
         return (1 << self.bits_D) - 1
 
-    @property
+    @cached_property
     def limit_D(self) -> Tensor:
         """The largest |v_i| an anchor can hold."""
         return field_limit(self.anchor_bits_D)
+
+    @cached_property
+    def uncoded_D(self) -> Tensor:
+        """b_i = 0: the components neither mode codes."""
+        return self.bits_D == 0
+
+    @cached_property
+    def as_float(self) -> dict[str, Tensor]:
+        """float32 copies of the integer vectors the encoder divides by or compares with."""
+        return {"n": self.levels_D.float(), "intra": self.intra_step_D.float(), "inter": self.inter_step_D.float(),
+                "zero": torch.zeros_like(self.unit_D), "weight": self.unit_D * self.unit_D,
+                "limit": self.limit_D.float(), **({"sink_limit": field_limit(self.sink_bits_D).float()}
+                                                  if self.has_sink else {})}
 
 
 def to_units(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
@@ -109,15 +125,14 @@ def to_units(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
 
 
 def mid_rise_code(t: Tensor, step: Tensor, n: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    """The mid-rise code c in [lo, hi] nearest to t on the levels step * (2c - n)."""
-    c = torch.round((t / step + n) / 2)
-    return torch.minimum(torch.maximum(c, lo.to(c.dtype)), hi.to(c.dtype)).to(torch.int64)
+    """The mid-rise code c in [lo, hi] nearest to t on the levels step * (2c - n) (all float32)."""
+    return torch.clamp(torch.round((t / step + n) / 2), lo, hi).to(torch.int64)
 
 
 def intra(tau_BTD: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
     """Intra codes and states: v = s^I (2c - n); 0-bit components give v = 0."""
-    n = p.levels_D
-    c = mid_rise_code(tau_BTD, p.intra_step_D.float(), n.float(), torch.zeros_like(n), n)
+    n, f = p.levels_D, p.as_float
+    c = mid_rise_code(tau_BTD, f["intra"], f["n"], f["zero"], f["n"])
     return c, p.intra_step_D * (2 * c - n)
 
 
@@ -132,7 +147,7 @@ def inter_range(v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
 def inter(tau_BTD: Tensor, v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
     """Inter codes and states: v = v' + s^P (2c - n), never outside the anchor range."""
     lo, hi = inter_range(v_prev, p)
-    c = mid_rise_code(tau_BTD - v_prev.float(), p.inter_step_D.float(), p.levels_D.float(), lo, hi)
+    c = mid_rise_code(tau_BTD - v_prev.float(), p.as_float["inter"], p.as_float["n"], lo.float(), hi.float())
     return c, v_prev + p.inter_step_D * (2 * c - p.levels_D)
 
 
@@ -143,7 +158,7 @@ def encode(x_BTD: Tensor, p: PredictiveParams, v_prev: Tensor | None) -> tuple[T
     if v_prev is None:
         return torch.zeros(tau.shape[:-1], dtype=torch.bool, device=tau.device), c_i, v_i
     c_p, v_p = inter(tau, v_prev, p)
-    w = p.unit_D * p.unit_D
+    w = p.as_float["weight"]
     err_i = ((tau - v_i.float()).pow(2) * w).sum(-1)
     err_p = ((tau - v_p.float()).pow(2) * w).sum(-1)
     use_p = err_p <= err_i
@@ -182,7 +197,7 @@ def sink_limit(p: PredictiveParams) -> Tensor:
 
 def sink_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """The sink code w [B, T, D] int64: clamp(rne(((x - mean) @ R) / z_unit), -Z, Z)."""
-    Z = sink_limit(p).float()
+    Z = p.as_float["sink_limit"]
     w = torch.round(((x_BTD.float() - p.mean_D) @ p.rotation_DD) / p.sink_unit_D)
     return torch.minimum(torch.maximum(w, -Z), Z).to(torch.int64)
 
@@ -194,14 +209,14 @@ def sink_values(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
 
 def sink_states(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """The chain's states after the sink: clamp(rne((z_unit * w) / unit), -V, V), 0 on uncoded components."""
-    V = p.limit_D.float()
+    V = p.as_float["limit"]
     v = torch.round((p.sink_unit_D * w_BTD.float()) / p.unit_D)
     return torch.minimum(torch.maximum(v, -V), V).to(torch.int64)
 
 
 def sink_hold_part(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """h = (z_unit * w * [b = 0]) @ R^T: the sink's uncoded components as values, float32 [B, T, D]."""
-    return (p.sink_unit_D * w_BTD.float() * (p.bits_D == 0)) @ p.rotation_DD.transpose(-1, -2)
+    return (p.sink_unit_D * w_BTD.float() * p.uncoded_D) @ p.rotation_DD.transpose(-1, -2)
 
 
 def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
@@ -209,7 +224,7 @@ def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     frame's code at the same tokens) than the mean: sum_i g_i (g_i - 2 u_i) < 0 over uncoded i,
     g = z_unit * w, u = (x - mean) @ R."""
     u = (x_BTD.float() - p.mean_D) @ p.rotation_DD
-    g = p.sink_unit_D * w_BTD.float() * (p.bits_D == 0)
+    g = p.sink_unit_D * w_BTD.float() * p.uncoded_D
     return (g * (g - 2 * u)).sum(-1) < 0
 
 
@@ -227,7 +242,7 @@ def reference_bits(sink_bits: Tensor, bits: Tensor) -> Tensor:
 
 def reference_code(x_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """A refresh frame's reference w * [b = 0] [B, T, D] int64 (w: `sink_code`)."""
-    return sink_code(x_BTD, p) * (p.bits_D == 0)
+    return sink_code(x_BTD, p) * p.uncoded_D
 
 
 def held_values(x_BTD: Tensor, hold_BT: Tensor, h_BTD: Tensor) -> Tensor:
