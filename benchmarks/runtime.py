@@ -7,7 +7,8 @@
    per-frame baselines, the shipped recipe with its decode through `torch.compile` (inductor: what
    the GPU path runs; its compile time falls in the first repeat), and under a memory plan
    (16 recall slots from a host tier of 64 frames, recall by pose); runs interleaved, best of
-   three; and where the shipped recipe's fast path spends its time, step by step.
+   three, and the ATen operators each calls per frame (torch.profiler: a count that does not move
+   with the machine's load); and where the shipped recipe's fast path spends its time, step by step.
 2. Wan-shaped attention (one layer, 12 heads x 128, 1560 tokens per frame, synthetic K/V that
    drift like video): one generated frame's attention over 8, 32 and 128 history frames, float16
    SDPA over a preallocated float16 ring vs the quantized caches: time, peak memory (torch's CPU
@@ -98,12 +99,22 @@ def tinyworld(recipe_path: Path, frames: int, repeats: int) -> list[dict]:
                 assert cache.nbytes() == cache.predicted_nbytes(frames), name
     rows = []
     for name, (c, w) in best.items():
-        rows.append({"cache": name, "ms_per_frame_cpu": 1e3 * c / (frames - 1), "ms_per_frame_wall": 1e3 * w / (frames - 1)})
+        rows.append({"cache": name, "ms_per_frame_cpu": 1e3 * c / (frames - 1), "ms_per_frame_wall": 1e3 * w / (frames - 1),
+                     **({} if "compile" in name else  # a fresh compiled cache compiles again: not counted
+                        {"aten_ops_per_frame": aten_ops(lambda: world.rollout(trajs, caches[name](), cpu)) / (frames - 1)})})
     base = {r["cache"]: r["ms_per_frame_cpu"] for r in rows}
     for r in rows:
         r["x_fp16_fast"] = r["ms_per_frame_cpu"] / base["fp16 recipe"]
         r["x_float32_cache"] = r["ms_per_frame_cpu"] / base["float32 cache (KVCache, the model's own)"]
     return rows
+
+
+def aten_ops(run) -> int:
+    """The ATen operators `run()` calls (torch.profiler): the same count on every machine and load,
+    where the CPU time of a shared machine varies by 10-30% from run to run."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
 def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
@@ -295,9 +306,12 @@ def markdown(res: dict) -> str:
              f"{m['load_end']} at the end), torch {m['torch']}, {m['threads']} thread; times are CPU seconds of this "
              "process (wall in the JSON)", ""]
     lines += ["## TinyWorld, batch 1, window 16 + 1 sink", "",
-              "| cache | ms / frame (CPU) | x fp16 recipe | x float32 KVCache |", "|---|---:|---:|---:|"]
+              "| cache | ms / frame (CPU) | x fp16 recipe | x float32 KVCache | ATen ops / frame |", "|---|---:|---:|---:|---:|"]
     for r in res["tinyworld"]:
-        lines.append(f"| {r['cache']} | {r['ms_per_frame_cpu']:.2f} | {r['x_fp16_fast']:.2f} | {r['x_float32_cache']:.2f} |")
+        ops = f"{r['aten_ops_per_frame']:.0f}" if "aten_ops_per_frame" in r else "-"
+        lines.append(f"| {r['cache']} | {r['ms_per_frame_cpu']:.2f} | {r['x_fp16_fast']:.2f} | {r['x_float32_cache']:.2f} | {ops} |")
+    lines += ["", "ATen ops / frame: the operators one rollout calls (torch.profiler), per generated frame: the same on "
+              "every run, where CPU time on a shared machine moves by 10-30%."]
     if res.get("breakdown"):
         lines += ["", "Where the shipped recipe's fast path spends its time (ms per generated frame, 4 layers; "
                   "timers around the methods of `fast_chain.ChainStore` and `ChainCode`, best of 3):", "", "| step | ms / frame |", "|---|---:|"]

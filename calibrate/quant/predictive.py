@@ -115,7 +115,8 @@ class PredictiveParams:
         """float32 copies of the integer vectors the encoder divides by or compares with."""
         return {"n": self.levels_D.float(), "intra": self.intra_step_D.float(), "inter": self.inter_step_D.float(),
                 "zero": torch.zeros_like(self.unit_D), "weight": self.unit_D * self.unit_D,
-                "limit": self.limit_D.float(), **({"sink_limit": field_limit(self.sink_bits_D).float()}
+                "limit": self.limit_D.float(), **({"sink_limit": field_limit(self.sink_bits_D).float(),
+                                                     "sink_unit_uncoded": self.sink_unit_D * self.uncoded_D}
                                                   if self.has_sink else {})}
 
 
@@ -216,7 +217,7 @@ def sink_states(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
 
 def sink_hold_part(w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     """h = (z_unit * w * [b = 0]) @ R^T: the sink's uncoded components as values, float32 [B, T, D]."""
-    return (p.sink_unit_D * w_BTD.float() * p.uncoded_D) @ p.rotation_DD.transpose(-1, -2)
+    return (p.as_float["sink_unit_uncoded"] * w_BTD.float()) @ p.rotation_DD.transpose(-1, -2)
 
 
 def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
@@ -224,7 +225,7 @@ def sink_hold(x_BTD: Tensor, w_BTD: Tensor, p: PredictiveParams) -> Tensor:
     frame's code at the same tokens) than the mean: sum_i g_i (g_i - 2 u_i) < 0 over uncoded i,
     g = z_unit * w, u = (x - mean) @ R."""
     u = (x_BTD.float() - p.mean_D) @ p.rotation_DD
-    g = p.sink_unit_D * w_BTD.float() * p.uncoded_D
+    g = p.as_float["sink_unit_uncoded"] * w_BTD.float()
     return (g * (g - 2 * u)).sum(-1) < 0
 
 
