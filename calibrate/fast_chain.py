@@ -129,9 +129,11 @@ class ChainStore(ChainHostTier):
         return anchors[0] if anchors else None
 
     # ---- the code ---------------------------------------------------------------------------
-    def scan(self, chain: list[int], tokens: slice, sink_w: Tensor | None = None) -> Tensor:
+    def scan(self, chain: list[int], tokens: slice, sink_w: Tensor | None = None, sinks: bool = True) -> Tensor:
         """Integer states of the chain frames for `tokens`, coded components only: float32 (exact
-        integers) [B, Tb, G, J, Dc] (`expand` gives [..., D]).
+        integers) [B, Tb, G, J, Dc] (`expand` gives [..., D]). With `sinks` false the states of
+        frames held in the sink code are left out (any values there: their unused slots decode as
+        all-intra zeros), for a step where no held or coded frame predicts from them.
 
         states_j = sum of contrib_i over i from the token's last reset L(j) to j: for short chains
         a 0/1 matrix W per token (i <= j and i >= L(j)) times contrib (one batched matmul, O(J^2)),
@@ -145,10 +147,11 @@ class ChainStore(ChainHostTier):
         codes = self.codes[..., tokens].index_select(1, slots)  # [B, J, C, Tb]
         modes = self.modes[..., t0 // 8: -(-t1 // 8)].index_select(1, slots)  # [B, J, G, Tb/8]
         anchor = self.anchor[..., tokens] if a is not None else None  # [B, Ca, Tb]
-        sink_w = self._sink_code(self._sink_count(chain), tokens) if sink_w is None else sink_w  # `_run` unpacks it once
-        sinks = self.code.sink_states(sink_w) if sink_w is not None else None
+        if sinks:
+            sink_w = self._sink_code(self._sink_count(chain), tokens) if sink_w is None else sink_w  # `_run` unpacks it once
+        sink_states = self.code.sink_states(sink_w) if sinks and sink_w is not None else None
         return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1,
-                              len(chain) > SCAN_MATMUL_FRAMES, sinks)
+                              len(chain) > SCAN_MATMUL_FRAMES, sink_states)
 
     def _sink_count(self, frames: list[int]) -> int:
         return sum(f < self.S for f in frames)  # sink frames come first
@@ -250,10 +253,12 @@ class ChainStore(ChainHostTier):
         hist_slots = self._index([self.slot(f) for f in hist_chain]) if self.code.hold and hist_chain else None
         block = block or self.token_block
         pre_sinks, hist_sinks = self._sink_count(chain_pre), self._sink_count(hist_chain)
+        # frame S (the first after the sink code's) is the one frame that predicts from a sink frame's states
+        sinks_predict = self.S in chain_pre or (commit and code_e and e == self.S)
         for t0 in range(0, self.T, block):
             tokens = slice(t0, min(t0 + block, self.T))
             sink_w = self._sink_code(pre_sinks, tokens)
-            states = self.scan(chain_pre, tokens, sink_w) if chain_pre else None
+            states = self.scan(chain_pre, tokens, sink_w, sinks_predict) if chain_pre else None
             v_e = ref_w = None  # ref_w: the sink hold's reference after this step's commit, once unpacked
             if pending is not None:
                 v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]

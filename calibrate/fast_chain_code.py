@@ -89,7 +89,7 @@ class ChainCode:
         pick = lambda t: torch.where(self.comp_valid, torch.gather(t, 1, self.comp), torch.zeros((), dtype=t.dtype, device=device))
         self.n_c, self.si_c, self.sp_c = (pick(t).float()[:, None, :] for t in (self.levels, self.s_intra, self.s_inter))
         self.offset_c = pick(self.offset).float()
-        self.minus_n_c, self.si_minus_sp_c = -self.n_c, self.si_c - self.sp_c
+        self.minus_n_c = -self.n_c
         # values from the coded components: decode[g, k, :] = unit[g, d] R[g, :, d] where d is coded
         # component k (one product per state, so the values stay within FORMAT.md's bound)
         unit_c = pick(self.unit)  # [G, Dc]
@@ -120,8 +120,7 @@ class ChainCode:
             reset[..., :S] = True
             if anchor is not None:
                 reset[..., j] = True
-        resetf = reset.to(dtype).unsqueeze(-1)
-        contrib = k2 * (self.sp_c + resetf * self.si_minus_sp_c)
+        contrib = k2 * torch.where(reset.unsqueeze(-1), self.si_c, self.sp_c)  # the intra or the inter step
         if anchor is not None:
             contrib[..., j, :] = self.anchor_states(anchor, dtype)
         if S:
@@ -130,7 +129,7 @@ class ChainCode:
             return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
         positions = torch.arange(J, device=c.device)
         last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
-        W = (positions <= positions[:, None]) & (positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]
+        W = torch.tril(positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]: L(j) <= i <= j
         return W.to(dtype) @ contrib
 
     def anchor_states(self, anchor: Tensor, dtype=torch.float32) -> Tensor:

@@ -111,6 +111,12 @@ class PredictiveParams:
         return self.bits_D == 0
 
     @cached_property
+    def inter_bounds(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(n s - V, n s + V, 2 s) of the inter step s: `inter_range`'s integers."""
+        ns = self.levels_D * self.inter_step_D
+        return ns - self.limit_D, ns + self.limit_D, 2 * self.inter_step_D
+
+    @cached_property
     def as_float(self) -> dict[str, Tensor]:
         """float32 copies of the integer vectors the encoder divides by or compares with."""
         return {"n": self.levels_D.float(), "intra": self.intra_step_D.float(), "inter": self.inter_step_D.float(),
@@ -139,10 +145,10 @@ def intra(tau_BTD: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
 
 def inter_range(v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
     """Codes whose step keeps |v| <= limit: lo = ceil((n s - V - v') / 2s), hi = floor((n s + V - v') / 2s)."""
-    n, s, V = p.levels_D, p.inter_step_D, p.limit_D
-    lo = -torch.div(v_prev + V - n * s, 2 * s, rounding_mode="floor")
-    hi = torch.div(n * s + V - v_prev, 2 * s, rounding_mode="floor")
-    return lo.clamp_min(0), torch.minimum(hi, n)
+    below, above, two_s = p.inter_bounds
+    lo = -torch.div(v_prev - below, two_s, rounding_mode="floor")
+    hi = torch.div(above - v_prev, two_s, rounding_mode="floor")
+    return lo.clamp_min(0), torch.minimum(hi, p.levels_D)
 
 
 def inter(tau_BTD: Tensor, v_prev: Tensor, p: PredictiveParams) -> tuple[Tensor, Tensor]:
