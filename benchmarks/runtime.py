@@ -163,7 +163,8 @@ def chain_breakdown(recipe_path: Path, frames: int, repeats: int) -> dict:
             "values (v (unit R^T) + mean, one product)": best["values"],
             "rotary of the keys, blocks": best["_block"] - best["values"],
             "encode the new frame": best["encode"],
-            "pack codes, modes, the anchor": best["_commit"] - best["encode"],
+            "the rest of the commit (hold bits against the reference, packing codes, modes, the anchor)":
+                best["_commit"] - best["encode"],
             "everything else (model, attention, the seam)": best["total"] - best["scan"] - best["_commit"] - best["_block"],
             "total": best["total"], "fp16 recipe, total": best["fp16 recipe, total"]}
 
