@@ -28,7 +28,7 @@ Decoding a step (`step`, blockwise over tokens: every token's chain is independe
 1. unpack the codes and modes of the held chain frames, oldest first; intra values
    s^I (2c - n), inter steps s^P (2c - n); the anchor's states replace its frame's (a reset), and
    so do a sink code's states its sink frame's;
-2. `quant/chainscan.segmented_states`: every frame's integer states in one scan;
+2. every frame's integer states, frame by frame (`ChainCode.scan`);
 3. code the frame that joins the chain (the new one, or the one leaving the recent window)
    against its predecessor's states, exactly as `quant/predictive.encode` (same float32
    operations, so the same codes), write its codes and modes into its slot, and re-anchor the
@@ -56,7 +56,6 @@ from calibrate.fast_chain_host import ChainHostTier
 from calibrate.quant.predictive import is_refresh_frame
 
 FP = torch.float16
-SCAN_MATMUL_FRAMES = 32  # chains up to this long are scanned by one matmul, longer ones by a running sum
 
 
 class ChainStore(ChainHostTier):
@@ -131,15 +130,14 @@ class ChainStore(ChainHostTier):
     # ---- the code ---------------------------------------------------------------------------
     def scan(self, chain: list[int], tokens: slice, sink_w: Tensor | None = None, sinks: bool = True) -> Tensor:
         """Integer states of the chain frames for `tokens`, coded components only: float32 (exact
-        integers) [B, Tb, G, J, Dc] (`expand` gives [..., D]). With `sinks` false the states of
-        frames held in the sink code are left out (any values there: their unused slots decode as
-        all-intra zeros), for a step where no held or coded frame predicts from them.
+        integers) [B, J, G, Tb, Dc] (`frame_states` gives one frame's [B, Tb, G, D]). With `sinks`
+        false the states of frames held in the sink code are left out (any values there: their
+        unused slots decode as all-intra zeros), for a step where no held or coded frame predicts
+        from them.
 
-        states_j = sum of contrib_i over i from the token's last reset L(j) to j: for short chains
-        a 0/1 matrix W per token (i <= j and i >= L(j)) times contrib (one batched matmul, O(J^2)),
-        for long ones `chainscan.segmented_states` (running sum and gather, O(J)). Every partial
-        sum is an integer below J * 2^16 in magnitude: exact in float32 up to J = 255 frames
-        (float64 beyond).
+        states_j = contrib_j where the token resets at frame j, else states_(j-1) + contrib_j: one
+        pass over the frames, oldest first (`ChainCode.scan`). Every value is a state, within the
+        anchor range (|v| < 2^15): exact in float32 for a chain of any length.
         """
         slots = self._index([self.slot(f) for f in chain])
         a = self.anchor_of(chain)
@@ -150,8 +148,11 @@ class ChainStore(ChainHostTier):
         if sinks:
             sink_w = self._sink_code(self._sink_count(chain), tokens) if sink_w is None else sink_w  # `_run` unpacks it once
         sink_states = self.code.sink_states(sink_w) if sinks and sink_w is not None else None
-        return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1,
-                              len(chain) > SCAN_MATMUL_FRAMES, sink_states)
+        return self.code.scan(codes, modes, anchor, chain.index(a) if a is not None else -1, sink_states)
+
+    def frame_states(self, states: Tensor, chain: list[int], f: int) -> Tensor:
+        """Frame f's int64 states [B, Tb, G, D] from `scan`'s states of `chain`."""
+        return self.code.expand(states[:, chain.index(f)].transpose(1, 2))
 
     def _sink_count(self, frames: list[int]) -> int:
         return sum(f < self.S for f in frames)  # sink frames come first
@@ -261,7 +262,7 @@ class ChainStore(ChainHostTier):
             states = self.scan(chain_pre, tokens, sink_w, sinks_predict) if chain_pre else None
             v_e = ref_w = None  # ref_w: the sink hold's reference after this step's commit, once unpacked
             if pending is not None:
-                v_out = self.code.expand(states[:, :, :, chain_pre.index(pending)])  # [B, Tb, G, D]
+                v_out = self.frame_states(states, chain_pre, pending)
                 self.code.pack_anchor(v_out, self._evicted[1]["anchor"][..., tokens])
             if commit:
                 x = torch.cat([token_block(kv[0], tokens) if kind == "k" else kv[1][:, :, tokens]
@@ -273,10 +274,10 @@ class ChainStore(ChainHostTier):
                 ref_w = ref_w if coded_ref is None else coded_ref
             if not decode:
                 continue
-            kept = states.index_select(3, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
+            kept = states.index_select(1, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
             if with_e:
-                v_e = self.code.compact(v_e.permute(0, 2, 1, 3)).unsqueeze(3)  # [B, Tb, G, 1, Dc]
-                kept = v_e if kept is None else torch.cat((kept, v_e.to(kept.dtype)), dim=3)
+                v_e = self.code.compact(v_e.transpose(1, 2)).transpose(1, 2).unsqueeze(1)  # [B, 1, G, Tb, Dc]
+                kept = v_e if kept is None else torch.cat((kept, v_e), dim=1)
             if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
                 sink_w = self._sink_code(hist_sinks, tokens)
             held = None  # the sink hold: (hold bits of the history's chain frames, the reference's part)
@@ -303,7 +304,7 @@ class ChainStore(ChainHostTier):
             else:
                 v_prev = None
                 if prev is not None:
-                    v_prev = self.code.expand(states[:, :, :, chain_pre.index(prev)]).permute(0, 2, 1, 3)  # [B, G, Tb, D]
+                    v_prev = self.frame_states(states, chain_pre, prev).transpose(1, 2)  # [B, G, Tb, D]
                 hold = None
                 if self.code.hold:  # against e's own reference if it is a refresh frame
                     refresh = is_refresh_frame(e, self.code.refresh, self.sink)
@@ -316,7 +317,7 @@ class ChainStore(ChainHostTier):
             if anchor_post == e:
                 v_a = v_e.permute(0, 2, 1, 3)
             else:
-                v_a = self.code.expand(states[:, :, :, chain_pre.index(anchor_post)])  # [B, Tb, G, D]
+                v_a = self.frame_states(states, chain_pre, anchor_post)
             self.code.pack_anchor(v_a, self.anchor[..., tokens])
         return v_e, ref_w
 

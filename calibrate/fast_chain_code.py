@@ -6,8 +6,8 @@ once what the per-step arithmetic needs, and does that arithmetic on packed form
 frames (`fast_chain.ChainStore` holds them):
 
 - `scan`: the packed codes and modes of a chain of frames (and its anchor) -> every frame's
-  integer states, the summation rule of `ChainStore`'s docstring (a 0/1 matmul for short
-  chains, `quant/chainscan.segmented_states` for long ones);
+  integer states, the summation rule of `ChainStore`'s docstring (frame by frame: a state is its
+  contribution, plus the previous frame's state where the token is inter-coded);
 - `values`: states -> (unit * v) @ R^T + mean as one product with (unit R^T), within
   FORMAT.md's bound of the reference's values;
 - `encode`: `quant/predictive.encode` itself, every head at once;
@@ -33,7 +33,6 @@ from torch import Tensor
 from calibrate.fast_blocks import unpack_token_bits
 from calibrate.quant import predictive
 from calibrate.quant.bitrows import RowLayout
-from calibrate.quant.chainscan import segmented_states
 
 
 class ChainCode:
@@ -97,46 +96,42 @@ class ChainCode:
         self.decode = (unit_c[..., None] * rows).contiguous()  # [G, Dc, D]
         self._scan_core, self._values_core = self._scan, self._values
 
-    def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
-             sinks: Tensor | None = None) -> Tensor:
-        """Integer states [B, Tb, G, J, Dc] (float32, exact integers) of J chain frames from their
+    def scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, sinks: Tensor | None = None) -> Tensor:
+        """Integer states [B, J, G, Tb, Dc] (float32, exact integers) of J chain frames from their
         packed codes [B, J, C, Tb] and modes [B, J, G, Tb/8], frame j's states replaced by the
-        anchor [B, Ca, Tb] (a reset; None: no anchor), the first S frames' by `sinks` [B, Tb, G, S,
-        Dc] (`sink_states`: resets; None: no sink frame in the chain); `long` chains by a running sum."""
-        return self._scan_core(codes, modes, anchor, j, long, sinks)
+        anchor [B, Ca, Tb] (a reset; None: no anchor), the first S frames' by `sinks` [B, S, G, Tb,
+        Dc] (`sink_states`: resets; None: no sink frame in the chain)."""
+        return self._scan_core(codes, modes, anchor, j, sinks)
 
-    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, long: bool,
-              sinks: Tensor | None = None) -> Tensor:
-        """`scan` (tensors in, tensors out: compilable)."""
+    def _scan(self, codes: Tensor, modes: Tensor, anchor: Tensor | None, j: int, sinks: Tensor | None = None) -> Tensor:
+        """`scan` (tensors in, tensors out: compilable). Frame by frame, oldest first: a token's state
+        is its contribution where it resets (intra: s^I (2c - n); an anchor's or a sink's states),
+        else the previous frame's state plus its contribution (inter: s^P (2c - n)). Every value is
+        a state, so within the anchor range: exact in float32 whatever the chain's length."""
         c = self.codes_c.unpack_columns(codes)  # [B, J, G*Dc, Tb]
         B, J, _, Tb = c.shape
-        dtype = torch.float32 if J < 256 else torch.float64
-        c = c.view(B, J, self.G, self.Dc, Tb).permute(0, 4, 2, 1, 3)  # [B, Tb, G, J, Dc]
-        k2 = torch.add(self.minus_n_c.to(dtype), c, alpha=2, out=torch.empty(c.shape, dtype=dtype, device=c.device))  # 2c - n, contiguous
-        reset = (~unpack_token_bits(modes, slice(0, Tb))).permute(0, 3, 2, 1)  # [B, Tb, G, J]: intra tokens
-        S = 0 if sinks is None else sinks.shape[-2]
-        if anchor is not None or S:
-            reset = reset.clone()
-            reset[..., :S] = True
-            if anchor is not None:
-                reset[..., j] = True
-        contrib = k2 * torch.where(reset.unsqueeze(-1), self.si_c, self.sp_c)  # the intra or the inter step
+        c = c.view(B, J, self.G, self.Dc, Tb).transpose(-1, -2)  # [B, J, G, Tb, Dc]
+        state = torch.add(self.minus_n_c, c, alpha=2, out=torch.empty(c.shape, dtype=torch.float32, device=c.device))  # 2c - n
+        reset = ~unpack_token_bits(modes, slice(0, Tb))  # [B, J, G, Tb]: intra tokens
+        S = 0 if sinks is None else sinks.shape[1]
+        reset[:, :S] = True
         if anchor is not None:
-            contrib[..., j, :] = self.anchor_states(anchor, dtype)
+            reset[:, j] = True
+        state.mul_(torch.where(reset.unsqueeze(-1), self.si_c, self.sp_c))  # the intra or the inter step
+        if anchor is not None:
+            state[:, j] = self.anchor_states(anchor)
         if S:
-            contrib[..., :S, :] = sinks.to(dtype)
-        if long:  # long chains: one running sum (quant/chainscan.py), O(J)
-            return segmented_states(contrib, reset.unsqueeze(-1), dim=3)
-        positions = torch.arange(J, device=c.device)
-        last = torch.cummax(torch.where(reset, positions, -1), dim=-1).values  # [B, Tb, G, J]
-        W = torch.tril(positions >= last.unsqueeze(-1))  # [B, Tb, G, J(j), J(i)]: L(j) <= i <= j
-        return W.to(dtype) @ contrib
+            state[:, :S] = sinks
+        keep = (~reset).unsqueeze(-1).to(state.dtype)  # 1 where a token moves on from its previous state
+        for i in range(1, J):
+            state[:, i].addcmul_(keep[:, i], state[:, i - 1])  # 0 or 1 times a state: exact
+        return state
 
-    def anchor_states(self, anchor: Tensor, dtype=torch.float32) -> Tensor:
-        """Packed anchors [..., Ca, Tb] -> their states, coded components [..., Tb, G, Dc]."""
+    def anchor_states(self, anchor: Tensor) -> Tensor:
+        """Packed anchors [..., Ca, Tb] -> their states, coded components [..., G, Tb, Dc] (float32)."""
         fields = self.anchor_c.unpack_columns(anchor)
         *lead, _, Tb = fields.shape
-        return fields.view(*lead, self.G, self.Dc, Tb).movedim(-1, -3).to(dtype) - self.offset_c
+        return fields.view(*lead, self.G, self.Dc, Tb).transpose(-1, -2).float() - self.offset_c[:, None, :]
 
     def encode_sink(self, x_BGTD: Tensor) -> tuple[Tensor, Tensor]:
         """quant/predictive's sink code, every head at once: (w, the chain's states) [B, G, T, D] int64."""
@@ -159,9 +154,9 @@ class ChainCode:
 
     def sink_states(self, w: Tensor) -> Tensor:
         """Sink codes w [B, S, G, Tb, D] (`sink_code_of`) -> the chain's states, coded components
-        [B, Tb, G, S, Dc] (float32, exact integers)."""
+        [B, S, G, Tb, Dc] (float32, exact integers)."""
         v = predictive.sink_states(w, self.params)  # [B, S, G, Tb, D]
-        return self.compact(v.permute(0, 3, 1, 2, 4)).transpose(2, 3)
+        return self.compact(v.transpose(2, 3)).transpose(2, 3)
 
     def sink_values(self, w: Tensor) -> Tensor:
         """Sink codes w [B, S, G, Tb, D] -> their values (z_unit * w) @ R^T + mean [B, G, S, Tb, D]."""
@@ -203,12 +198,12 @@ class ChainCode:
         return predictive.encode(x_BGTD, self.params, v_prev)
 
     def values(self, states: Tensor) -> Tensor:
-        """(unit * v) @ R^T + mean: states [B, Tb, G, J, Dc] -> [B, G, J, Tb, D] float32."""
+        """(unit * v) @ R^T + mean: states [B, J, G, Tb, Dc] -> [B, G, J, Tb, D] float32."""
         return self._values_core(states)
 
     def _values(self, states: Tensor) -> Tensor:
-        B, Tb, G, J, Dc = states.shape
-        s = states.float().permute(0, 2, 3, 1, 4).reshape(B, G, J * Tb, Dc)
+        B, J, G, Tb, Dc = states.shape
+        s = states.float().transpose(1, 2).reshape(B, G, J * Tb, Dc)
         x = torch.matmul(s, self.decode).add_(self.mean[:, None, :])
         return x.view(B, G, J, Tb, self.D)
 

@@ -44,11 +44,11 @@ class ChainHostTier:
         cos, sin = rope([SLOT_BASE + s for s in range(S)]) if self.pre_rotary else (None, None)
         for t0 in range(0, self.T, self.token_block):
             tokens = slice(t0, min(t0 + self.token_block, self.T))
-            if self.temporal:  # [B, S, Tb, G, Dc] -> [B, Tb, G, S, Dc]
-                states = self.code.anchor_states(self.slots["anchor"][:, :S, :, tokens]).permute(0, 2, 3, 1, 4)
+            if self.temporal:  # [B, S, G, Tb, Dc]
+                states = self.code.anchor_states(self.slots["anchor"][:, :S, :, tokens])
             else:  # intra frames: a scan without predecessors
                 modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
-                states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1, False)
+                states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1)
             ref_w = None  # the sink hold's reference (the sink's code is unpacked only when it is the reference)
             if self.code.hold:
                 ref_w = self._reference_w(tokens, None if self.code.refresh else self._sink_code(self.S, tokens))

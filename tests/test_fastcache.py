@@ -17,7 +17,6 @@ from calibrate.cache import KVCache, Rope, kept_frames
 from calibrate.fastcache import FastKVCache, FastPathError, fast_path_problem
 from calibrate.quant.bitrows import RowLayout
 from calibrate.quant.blockattn import OnlineSoftmax
-from calibrate.quant.chainscan import segmented_states
 from calibrate.quant.fields import FieldLayout
 from calibrate.recipe import LayerSpec, Recipe, Scheme, TensorSpec, TokenPolicy
 from reference_runtime import ReferenceCache
@@ -82,18 +81,6 @@ def test_rows_equal_field_layouts_side_by_side():
     layout = RowLayout.concat(rows)
     assert torch.equal(layout.pack(torch.cat(values, -1)), packed)
     assert torch.equal(layout.unpack(packed).long(), torch.cat(values, -1))
-
-
-def test_segmented_scan_equals_the_sequential_chain():
-    g = torch.Generator().manual_seed(1)
-    base = torch.randint(-500, 500, (2, 9, 5, 3, 4), generator=g, dtype=torch.int32)
-    step = torch.randint(-9, 9, (2, 9, 5, 3, 4), generator=g, dtype=torch.int32)
-    reset = torch.rand(2, 9, 5, 3, 1, generator=g) < 0.3
-    reset[:, 0] = True
-    want = torch.empty_like(base)
-    for j in range(9):
-        want[:, j] = torch.where(reset[:, j], base[:, j], (want[:, j - 1] if j else 0) + step[:, j])
-    assert torch.equal(segmented_states(torch.where(reset, base, step), reset), want)
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
@@ -257,24 +244,19 @@ def chain_states(cache: FastKVCache, layer: int) -> dict:
     chain = store.chain(cache._num_appended[layer])
     if not chain:
         return {}
-    s = store.code.expand(store.scan(chain, slice(0, store.T)).permute(0, 3, 1, 2, 4)).permute(0, 1, 3, 2, 4)  # [B, J, G, T, D]
+    s = store.code.expand(store.scan(chain, slice(0, store.T)).transpose(2, 3)).transpose(2, 3)  # [B, J, G, T, D]
     return {(kind, f): s[:, j, i * store.H:(i + 1) * store.H].long() for j, f in enumerate(chain)
             for i, kind in enumerate(store.kinds)}
 
 
 @pytest.mark.parametrize("window,sink,recent", [(6, 1, 0), (6, 1, 2), (3, 0, 0), (1, 1, 0), (8, 2, 3), (4, 1, 4)])
 @pytest.mark.parametrize("temporal", [True, False])
-@pytest.mark.parametrize("scan,sink_bits,hold,refresh", [("matmul", 0.0, False, 0), ("running_sum", 0.0, False, 0),
-                                                         ("matmul", 6.0, False, 0), ("running_sum", 6.0, False, 0),
-                                                         ("matmul", 6.0, True, 0), ("matmul", 6.0, True, 4)])
-def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, scan, sink_bits, hold, refresh,
-                                                           monkeypatch):
+@pytest.mark.parametrize("sink_bits,hold,refresh", [(0.0, False, 0), (6.0, False, 0), (6.0, True, 0), (6.0, True, 4)])
+def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent, temporal, sink_bits, hold, refresh):
     """With and without a sink code (format 1.3: the sink frames in their own code), with the sink
     hold (format 1.4: hold bits compared byte for byte; it does not touch the scan, so one scan
     suffices), and with its reference refreshed every 4 frames (format 1.5: the reference compared
     byte for byte)."""
-    if scan == "running_sum":  # chains longer than SCAN_MATMUL_FRAMES: quant/chainscan.py
-        monkeypatch.setattr("calibrate.fast_chain.SCAN_MATMUL_FRAMES", 1)
     recipe = predictive_recipe(recent=recent, sink_bits=sink_bits, hold=hold, refresh=refresh)
     for pair in recipe.scheme.layers:
         pair.k.temporal = pair.v.temporal = temporal

@@ -299,7 +299,7 @@ def host_states(cache, layer: int, frame: int) -> dict:
         return {kind: torch.stack([c.states(head, None) for c, head in zip(cache._chains[(layer, kind)], record[kind])], 1)
                 for kind in "kv"}
     store = cache.stores[layer]
-    s = store.code.expand(store.code.anchor_states(record["anchor"]))  # [B, T, G, D]
+    s = store.code.expand(store.code.anchor_states(record["anchor"]).transpose(-2, -3))  # [B, T, G, D]
     return {kind: s[:, :, i * H:(i + 1) * H].permute(0, 2, 1, 3) for i, kind in enumerate("kv")}
 
 
