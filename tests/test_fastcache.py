@@ -263,6 +263,29 @@ def test_predictive_states_and_outputs_equal_the_reference(window, sink, recent,
     assert_chains_like_the_reference(recipe, "kv", window, sink, frames=30, seed=3)
 
 
+def test_a_chain_of_300_frames_decodes_to_the_encoders_states():
+    """The scan's every value is a state, inside the anchor range, so float32 holds it exactly
+    however long the chain: 300 frames (past the 256 at which the scan once switched to float64)
+    decode to exactly the states the encoder made (quant/predictive.encode, frame after frame, no
+    window)."""
+    from calibrate.predictive_roles import head_params
+    from calibrate.quant import predictive as P
+
+    frames = 300
+    recipe = predictive_recipe()
+    ks, vs, ropes = sequence(frames)
+    fast = FastKVCache.from_recipe(recipe, window=frames, sink_frames=1)
+    for f in range(frames):
+        fast.append(0, ks[f], vs[f], ropes[f])
+    mine = chain_states(fast, 0)
+    x = torch.stack(vs, dim=2)  # [B, H, F, T, D]: values (keys are stored with their rotary coordinates)
+    for h in range(x.shape[1]):
+        p, v = head_params(recipe.layer_tensors(0, "v"), h), None
+        for f in range(frames):
+            _, _, v = P.encode(x[:, h, f], p, v)
+            assert torch.equal(mine[("v", f)][:, h], v), (h, f)
+
+
 def assert_reference_equal(fast, ref, layer: int, kind: str) -> None:
     """The sink refresh's held reference (format 1.5), unpacked code for code in both runtimes."""
     refs = ref._references.get((layer, kind))
