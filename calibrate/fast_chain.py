@@ -352,7 +352,7 @@ class ChainStore(ChainHostTier):
         if states is not None:
             x = self.code.values(states)  # [B, G, J, Tb, D]
             if held is not None:
-                x = x.addcmul_(held[0].unsqueeze(-1).to(x.dtype), held[1].unsqueeze(2))  # + h where held (0/1 * h: exact)
+                x.addcmul_(held[0].unsqueeze(-1).to(x.dtype), held[1].unsqueeze(2))  # + h where held (0/1 * h: exact)
             if sink_w is not None:
                 x[:, :, : sink_w.shape[1]] = self.code.sink_values(sink_w)
             parts.append(x)

@@ -118,10 +118,12 @@ class PredictiveParams:
 
     @cached_property
     def as_float(self) -> dict[str, Tensor]:
-        """float32 copies of the integer vectors the encoder divides by or compares with."""
+        """The float32 vectors the encoder and the sink code use on every frame: the integer ones
+        it divides by or clamps to (n, the steps, the limits), 0, the mode choice's weight unit^2,
+        and the sink hold's z_unit * [b = 0]."""
         return {"n": self.levels_D.float(), "intra": self.intra_step_D.float(), "inter": self.inter_step_D.float(),
                 "zero": torch.zeros_like(self.unit_D), "weight": self.unit_D * self.unit_D,
-                "limit": self.limit_D.float(), **({"sink_limit": field_limit(self.sink_bits_D).float(),
+                "limit": self.limit_D.float(), **({"sink_limit": sink_limit(self).float(),
                                                      "sink_unit_uncoded": self.sink_unit_D * self.uncoded_D}
                                                   if self.has_sink else {})}
 
