@@ -182,7 +182,7 @@ class ChainStore(ChainHostTier):
     def plan(self, B: int, budget: int) -> int:
         """Set the token block from a workspace `budget` in bytes; returns the keys of one block."""
         J = self.sink + self.window
-        per_token = B * self.G * J * (2 * self.code.Dc + 2 * self.D + J) * 4
+        per_token = B * self.G * J * (2 * self.code.Dc + 2 * self.D + 1) * 4  # codes, states, values, keys, a mode
         self.set_block(max(1, budget // per_token))
         return J * self.token_block
 
@@ -274,10 +274,12 @@ class ChainStore(ChainHostTier):
                 ref_w = ref_w if coded_ref is None else coded_ref
             if not decode:
                 continue
-            kept = states.index_select(1, keep_pos) if states is not None and any(f in pre_set for f in hist_chain) else None
+            # the history's states, heads before frames: [B, G, J, Tb, Dc] (one copy that also transposes)
+            kept = (states.transpose(1, 2).index_select(2, keep_pos)
+                    if states is not None and any(f in pre_set for f in hist_chain) else None)
             if with_e:
-                v_e = self.code.compact(v_e.transpose(1, 2)).transpose(1, 2).unsqueeze(1)  # [B, 1, G, Tb, Dc]
-                kept = v_e if kept is None else torch.cat((kept, v_e), dim=1)
+                v_e = self.code.compact(v_e.transpose(1, 2)).transpose(1, 2).unsqueeze(2)  # [B, G, 1, Tb, Dc]
+                kept = v_e if kept is None else torch.cat((kept, v_e), dim=2)
             if hist_sinks > pre_sinks:  # a sink frame coded this step: unpack after its commit
                 sink_w = self._sink_code(hist_sinks, tokens)
             held = None  # the sink hold: (hold bits of the history's chain frames, the reference's part)
@@ -344,8 +346,8 @@ class ChainStore(ChainHostTier):
 
     def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None,
                held: tuple[Tensor, Tensor] | None = None):
-        """Keys (post-rotary) and values [B, H, N, D] of the decoded chain and recent frames (None
-        for a kind this store does not hold); the first chain frames are sink frames in the sink
+        """Keys (post-rotary) and values [B, H, N, D] of the decoded chain (`states` [B, G, J, Tb,
+        Dc]) and recent frames (None for a kind this store does not hold); the first chain frames are sink frames in the sink
         code when `sink_w` (their codes w [B, S, G, Tb, D]) is given, valued by it; `held` = (hold
         bits [B, G, J, Tb], the sink's part h [B, G, Tb, D]): the sink hold, x + h where set."""
         parts = []

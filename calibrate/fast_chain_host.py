@@ -49,6 +49,7 @@ class ChainHostTier:
             else:  # intra frames: a scan without predecessors
                 modes = self.slots["modes"][:, :S, :, t0 // 8: -(-tokens.stop // 8)]
                 states = self.code.scan(self.slots["codes"][:, :S, :, tokens], modes, None, -1)
+            states = states.transpose(1, 2)  # heads before frames, as `values` takes them
             ref_w = None  # the sink hold's reference (the sink's code is unpacked only when it is the reference)
             if self.code.hold:
                 ref_w = self._reference_w(tokens, None if self.code.refresh else self._sink_code(self.S, tokens))

@@ -348,7 +348,7 @@ def test_predictive_values_differ_by_order_within_the_absolute_bound():
                     left = left + uv[..., d : d + 1] * p.rotation_DD[:, d]
                 states = torch.zeros(*v.shape[:-1], fast.G, v.shape[-1], dtype=torch.int64)
                 states[..., h, :] = v
-                states = fast.compact(states).flatten(0, 1).transpose(0, 1)[None, None]  # [1, J = 1, G, Tb, Dc]
+                states = fast.compact(states).flatten(0, 1).transpose(0, 1)[None, :, None]  # [1, G, J = 1, Tb, Dc]
                 runtime = fast.values(states)[0, h, 0].view(v.shape)
                 outs = [P.values(v, p), torch.from_numpy(reader.predictive_values(v.numpy(), tensors, layer, kind, h)),
                         ordered.matmul(uv, p.rotation_DD.T.contiguous()) + p.mean_D, left + p.mean_D, runtime]

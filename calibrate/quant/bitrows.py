@@ -43,7 +43,6 @@ class RowLayout:
         self.shift = (starts % 8).to(torch.int32).to(device)
         self.mask = ((1 << w) - 1).to(torch.int32).to(device)
         self.byte_shift = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
-        self.byte_weight = torch.tensor([1, 1 << 8, 1 << 16], dtype=torch.int32, device=device)
         self.first = first.clamp(max=last).to(device)
         self.widths = w
 
@@ -86,8 +85,9 @@ class RowLayout:
         if self.nbytes == 0:
             return torch.zeros(*packed.shape[:-2], self.num_fields, packed.shape[-1], dtype=torch.int32, device=packed.device)
         b = torch.nn.functional.pad(packed.to(torch.int32), (0, 0, 0, 2))
-        # the 24 bits from each byte on: byte + 2^8 next + 2^16 the one after (disjoint bits: a sum is an or)
-        word = (b.unfold(-2, 3, 1) * self.byte_weight).sum(-1, dtype=torch.int32)
+        # the 24 bits from each byte on (slices, shifts and ors: half the time of one unfold and a
+        # weighted sum over it, whose strided reduction is slow, at every batch size measured)
+        word = b[..., :-2, :] | (b[..., 1:-1, :] << 8) | (b[..., 2:, :] << 16)
         return (word.index_select(-2, self.first) >> self.shift[:, None]) & self.mask[:, None]
 
     def pack(self, values: Tensor, out: Tensor | None = None) -> Tensor:
