@@ -40,7 +40,7 @@ from calibrate.quant.blockattn import OnlineSoftmax
 from calibrate.recipe import Recipe, validate
 from calibrate.tiers import Tiers, device_window, predicted_bytes
 
-MIN_WORKSPACE = 4 * 2**20  # bytes of decoded history a block may take at least (small models: one block)
+MIN_WORKSPACE = 4 * 2**20  # bytes per batch row of decoded history a block may take at least (small models: one block)
 
 
 class FastPathError(ValueError):
@@ -238,9 +238,12 @@ class FastKVCache(KVCache):
 
     def _plan(self, B: int) -> None:
         """Block sizes from the workspace budget (default: a quarter of a frame's float16 K/V, at least
-        `MIN_WORKSPACE`): keys decoded per block, and queries per chunk so one block's logits fit."""
+        `MIN_WORKSPACE` per batch row): keys decoded per block, and queries per chunk so one block's
+        logits fit. The floor scales with the batch so a small model decodes in one block at any
+        batch (a fixed floor split TinyWorld's step in two at batch 8: more operators per step for
+        little less transient memory, as most of it is not the blocks')."""
         info = self.recipe.model
-        budget = self.workspace_bytes or max(MIN_WORKSPACE, B * info.elements_per_frame // 2)  # a quarter frame, fp16
+        budget = self.workspace_bytes or B * max(MIN_WORKSPACE, info.elements_per_frame // 2)  # a quarter frame, fp16
         keys = max(store.plan(B, budget) for store in self.stores)
         rows = max(1, budget // (B * info.num_kv_heads * keys * 4 * 2))
         self.query_chunk = None if rows >= info.tokens_per_frame else rows
