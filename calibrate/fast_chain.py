@@ -287,7 +287,10 @@ class ChainStore(ChainHostTier):
                 ref_w = self._reference_w(tokens, sink_w) if ref_w is None else ref_w
                 if ref_w is not None:
                     held = self._holds(self.holds.index_select(1, hist_slots), tokens), self.code.hold_part(ref_w)
-            yield self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
+            out = self._block(kept, recent_slots, tokens, cos, sin, sink_w[:, :hist_sinks] if hist_sinks else None, held)
+            states = kept = held = v_e = None  # this block's temporaries are not alive while the next one decodes
+            yield out
+            out = None
         if commit:
             self.anchor_frame = anchor_post
 

@@ -345,6 +345,7 @@ class FastKVCache(KVCache):
             acc.add(token_block(k_BHTD, tokens), v_BHTD[:, :, tokens])
         for k_h, v_h, corr in blocks:
             acc.add(k_h, v_h, None if corr is None else bias(corr))
+            del k_h, v_h  # not alive while the next block decodes
         return acc.result()
 
     # ---- reading the history (materializing: shadows and tests) --------------------------------
