@@ -54,4 +54,7 @@ class ChainHostTier:
             if self.code.hold:
                 ref_w = self._reference_w(tokens, None if self.code.refresh else self._sink_code(self.S, tokens))
             held = None if ref_w is None else (self._holds(self.slots["holds"][:, :S], tokens), self.code.hold_part(ref_w))
-            yield self._block(states, None, tokens, cos, sin, None, held)
+            out = self._block(states, None, tokens, cos, sin, None, held)
+            states = held = None  # not alive while the next block decodes (as in ChainStore._run)
+            yield out
+            out = None
