@@ -350,9 +350,10 @@ class ChainStore(ChainHostTier):
     def _block(self, states, recent_slots, tokens: slice, cos, sin, sink_w: Tensor | None = None,
                held: tuple[Tensor, Tensor] | None = None):
         """Keys (post-rotary) and values [B, H, N, D] of the decoded chain (`states` [B, G, J, Tb,
-        Dc]) and recent frames (None for a kind this store does not hold); the first chain frames are sink frames in the sink
-        code when `sink_w` (their codes w [B, S, G, Tb, D]) is given, valued by it; `held` = (hold
-        bits [B, G, J, Tb], the sink's part h [B, G, Tb, D]): the sink hold, x + h where set."""
+        Dc]) and recent frames (None for a kind this store does not hold); the first chain frames
+        are sink frames in the sink code when `sink_w` (their codes w [B, S, G, Tb, D]) is given,
+        valued by it; `held` = (hold bits [B, G, J, Tb], the sink's part h [B, G, Tb, D]): the sink
+        hold, x + h where set."""
         parts = []
         if states is not None:
             x = self.code.values(states)  # [B, G, J, Tb, D]

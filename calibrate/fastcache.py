@@ -240,8 +240,8 @@ class FastKVCache(KVCache):
         """Block sizes from the workspace budget (default: a quarter of a frame's float16 K/V, at least
         `MIN_WORKSPACE` per batch row): keys decoded per block, and queries per chunk so one block's
         logits fit. The floor scales with the batch so a small model decodes in one block at any
-        batch (a fixed floor split TinyWorld's step in two at batch 8: more operators per step for
-        little less transient memory, as most of it is not the blocks')."""
+        batch (a fixed floor split TinyWorld's step in two at batch 8: twice the operators to save
+        a few MiB)."""
         info = self.recipe.model
         budget = self.workspace_bytes or B * max(MIN_WORKSPACE, info.elements_per_frame // 2)  # a quarter frame, fp16
         keys = max(store.plan(B, budget) for store in self.stores)
