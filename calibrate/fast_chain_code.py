@@ -113,17 +113,18 @@ class ChainCode:
         c = c.view(B, J, self.G, self.Dc, Tb).transpose(-1, -2)  # [B, J, G, Tb, Dc]
         state = torch.empty(c.shape, dtype=torch.float32, device=c.device)
         state.copy_(c).mul_(2).add_(self.minus_n_c)  # 2c - n (a same-type pass each: faster than one mixed-type add)
-        reset = ~unpack_token_bits(modes, slice(0, Tb))  # [B, J, G, Tb]: intra tokens
+        inter = unpack_token_bits(modes, slice(0, Tb))  # [B, J, G, Tb]: tokens that move on from their previous state
         S = 0 if sinks is None else sinks.shape[1]
-        reset[:, :S] = True
+        inter[:, :S] = False  # sink frames and the anchor reset
         if anchor is not None:
-            reset[:, j] = True
-        state.mul_(torch.where(reset.unsqueeze(-1), self.si_c, self.sp_c))  # the intra or the inter step
+            inter[:, j] = False
+        inter = inter.unsqueeze(-1)
+        state.mul_(torch.where(inter, self.sp_c, self.si_c))  # the inter or the intra step
         if anchor is not None:
             state[:, j] = self.anchor_states(anchor)
         if S:
             state[:, :S] = sinks
-        keep = (~reset).unsqueeze(-1).to(state.dtype)  # 1 where a token moves on from its previous state
+        keep = inter.to(state.dtype)  # 1 where a token adds its previous state
         for i in range(1, J):
             state[:, i].addcmul_(keep[:, i], state[:, i - 1])  # 0 or 1 times a state: exact
         return state

@@ -338,10 +338,16 @@ def assert_chains_like_the_reference(recipe, predictive: str, window: int, sink:
 T16 = 16
 
 
-def rope16(coords_BP):
-    freqs = torch.linspace(0.1, 2.0, 8)
-    angles = coords_BP[:, None, 0:1] * freqs + coords_BP[:, None, 1:2] * torch.arange(T16)[None, :, None] * 0.1
-    return Rope(angles, coords_BP=coords_BP, at=rope16)
+def rope_of(T: int):
+    """A model's rotary for frames of T tokens, from 2 coordinates per frame (`at`: itself)."""
+    def rope(coords_BP):
+        freqs = torch.linspace(0.1, 2.0, 8)
+        angles = coords_BP[:, None, 0:1] * freqs + coords_BP[:, None, 1:2] * torch.arange(T)[None, :, None] * 0.1
+        return Rope(angles, coords_BP=coords_BP, at=rope)
+    return rope
+
+
+rope16 = rope_of(T16)
 
 
 def test_token_blocks_and_query_chunks_equal_one_block():
@@ -476,11 +482,6 @@ def test_compiled_decode_and_bf16_attention_follow_the_reference(blocks):
             torch.testing.assert_close(fast.attend(layer, q, ks[f], vs[f], ropes[f]), want, atol=0.05, rtol=0.02)  # bf16
 
 
-def rope32(coords_BP):
-    angles = coords_BP[:, None, 0:1] * torch.linspace(0.1, 2.0, 8) + torch.arange(32)[None, :, None] * 0.01
-    return Rope(angles, coords_BP=coords_BP, at=rope32)
-
-
 def test_a_step_in_token_blocks_holds_one_block_at_a_time():
     """A step decoded in two token blocks takes well under the transient memory of one block for
     the whole frame: the first block's temporaries (states, values, keys) are dropped before the
@@ -496,7 +497,7 @@ def test_a_step_in_token_blocks_holds_one_block_at_a_time():
     for f in range(12):
         k, v = k + 0.05 * torch.randn(k.shape, generator=g), v + 0.05 * torch.randn(v.shape, generator=g)
         q = torch.randn(16, 2, T, 16, generator=g)
-        rope = rope32(torch.tensor([[0.2 * f, 0.0]] * 16))
+        rope = rope_of(T)(torch.tensor([[0.2 * f, float(f % 3)]] * 16))
         for name, cache in (("one", one), ("two", two)):
             peak, out = peak_bytes(lambda: cache.attend(0, q, k, v, rope))
             transient[name] = peak - out.numel() * out.element_size()
