@@ -124,9 +124,9 @@ class ChainCode:
             state[:, j] = self.anchor_states(anchor)
         if S:
             state[:, :S] = sinks
-        keep = inter.to(state.dtype)  # 1 where a token adds its previous state
+        frames, keep = state.unbind(1), inter.to(state.dtype).unbind(1)  # keep: 1 where a token adds its previous state
         for i in range(1, J):
-            state[:, i].addcmul_(keep[:, i], state[:, i - 1])  # 0 or 1 times a state: exact
+            frames[i].addcmul_(keep[i], frames[i - 1])  # 0 or 1 times a state: exact
         return state
 
     def anchor_states(self, anchor: Tensor) -> Tensor:
