@@ -59,6 +59,9 @@ per tensor: ours with one layer's K or V in float16), each recipe against its no
 rollout through the runtime (alone or shared, as stated). Recipes go to --run-dir
 and finished evaluations to its `partial/`: a rerun reuses the recipes fitted with the same config
 and the evaluations of unchanged recipes.
+With `--trajectories` a multiple of 7 each family has several trajectories (families in turn,
+each in its own room): their spread per family is a table of its own, since one trajectory per
+family is a single draw from a wide distribution (docs/results.md).
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
 (`--ablations` and `--baselines` cut it to what the CPU time allows; `--name` writes a cut run
 under another name, e.g. `sink_code`).
@@ -70,6 +73,7 @@ import argparse
 import copy
 import json
 import re
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -155,19 +159,30 @@ def rows_of(runs, rep) -> list[dict]:
             "revisit": m["revisit"]["quant"],
             "revisit_fp": m["revisit"]["fp"],
             "by_family": family_means(run),
+            "family_spread": family_spread(run),
             "regimes": m["psnr_by_regime"].get("128-256", {}),
             "twin": m["twin"],
         })
     return rows
 
 
-def family_means(run) -> dict[str, float]:
-    """Frames 128-256 PSNR vs fp per family, the mean over its trajectories (rollouts past frame 128)."""
+def family_late(run) -> dict[str, list[float]]:
+    """Frames 128-256 PSNR vs fp of each trajectory (rollouts past frame 128), by family."""
     late: dict[str, list[float]] = {}
     for r in run.trajs:
         if len(r.series["psnr_ref"]) > 128:
             late.setdefault(r.family, []).append(float(r.series["psnr_ref"][128:256].mean()))
-    return {f: sum(v) / len(v) for f, v in late.items()}
+    return late
+
+
+def family_means(run) -> dict[str, float]:
+    """Frames 128-256 PSNR vs fp per family, the mean over its trajectories."""
+    return {f: sum(v) / len(v) for f, v in family_late(run).items()}
+
+
+def family_spread(run) -> dict[str, list[float]]:
+    """Frames 128-256 PSNR vs fp per family over its trajectories: [min, median, max, count]."""
+    return {f: [min(v), statistics.median(v), max(v), len(v)] for f, v in family_late(run).items()}
 
 
 def targets(by: dict[str, dict]) -> list[dict]:
@@ -262,6 +277,13 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         moving, frozen = r["regimes"].get("moving", {}), r["regimes"].get("frozen", {})
         lines.append(f"| {name} | " + " | ".join(fmt(r["by_family"].get(f)) for f in fams)
                      + f" | {fmt(moving.get('mean'))} | {fmt(frozen.get('mean'))} | {fmt(moving.get('motion_kept'))} |")
+    if max(n for *_, n in by["ours"]["family_spread"].values()) > 1:  # several trajectories per family
+        lines += ["", "The same per family across its trajectories (different rooms and paths): min / median / max of "
+                  "each trajectory's frames 128-256; the table above is their mean:", "",
+                  "| scheme | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
+        spread = lambda s: "-" if s is None else f"{s[0]:.1f} / {s[1]:.1f} / {s[2]:.1f} ({s[3]})"
+        lines += [f"| {name} | " + " | ".join(spread(r["family_spread"].get(f)) for f in fams) + " |"
+                  for name, r in by.items()]
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "

@@ -19,3 +19,20 @@ def test_a_report_name_that_is_not_a_plain_file_name_exits_2(tmp_path, capsys):
     assert main(["--name", "../fit", "--out", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --name")
+
+
+def test_a_familys_late_frames_give_its_mean_and_its_spread_over_trajectories():
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.fit import family_means, family_spread
+
+    def traj(family, late, frames=256):  # frames 128-256 at `late` dB, earlier frames at 99 (not counted)
+        series = torch.cat([torch.full((128,), 99.0), torch.full((frames - 128,), late)])
+        return SimpleNamespace(family=family, series={"psnr_ref": series})
+
+    run = SimpleNamespace(trajs=[traj("pan", 40.0), traj("pan", 30.0), traj("pan", 44.0), traj("pan", 42.0),
+                                 traj("static", 35.0), traj("orbit", 50.0, frames=128)])  # orbit: no late frames
+    assert family_means(run) == {"pan": 39.0, "static": 35.0}
+    assert family_spread(run) == {"pan": [30.0, 41.0, 44.0, 4], "static": [35.0, 35.0, 35.0, 1]}
