@@ -7,8 +7,8 @@
    per-frame baselines, the shipped recipe with its decode through `torch.compile` (inductor: what
    the GPU path runs; its compile time falls in the first repeat; every layer's code is another
    `self` to the same two functions, so they reach dynamo's default limit of 8 graphs each within
-   the first rollout and the calls past it run uncompiled, as a user gets it by default: the log
-   says so), and under a memory plan
+   the first rollout, and a call that matches none of those graphs runs uncompiled, as a user gets
+   it by default: the log says so), and under a memory plan
    (16 recall slots from a host tier of 64 frames, recall by pose); runs interleaved, best of
    three, and the ATen operators each calls per frame (torch.profiler: a count that does not move
    with the machine's load); and where the shipped recipe's fast path spends its time, step by step.
