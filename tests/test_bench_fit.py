@@ -26,13 +26,22 @@ def test_a_familys_late_frames_give_its_mean_and_its_spread_over_trajectories():
 
     import torch
 
-    from benchmarks.fit import family_means, family_spread
+    from benchmarks.fit import family_late, family_means, family_spread, family_target
 
     def traj(family, late, frames=256):  # frames 128-256 at `late` dB, earlier frames at 99 (not counted)
         series = torch.cat([torch.full((128,), 99.0), torch.full((frames - 128,), late)])
         return SimpleNamespace(family=family, series={"psnr_ref": series})
 
-    run = SimpleNamespace(trajs=[traj("pan", 40.0), traj("pan", 30.0), traj("pan", 44.0), traj("pan", 42.0),
+    run = SimpleNamespace(trajs=[traj("pan", 40.0), traj("pan", 30.0), traj("pan", 44.0), traj("pan", 46.0),
                                  traj("static", 35.0), traj("orbit", 50.0, frames=128)])  # orbit: no late frames
-    assert family_means(run) == {"pan": 39.0, "static": 35.0}
-    assert family_spread(run) == {"pan": [30.0, 41.0, 44.0, 4], "static": [35.0, 35.0, 35.0, 1]}
+    late = family_late(run)
+    assert family_means(run) == {"pan": 40.0, "static": 35.0}
+    assert family_spread(late) == {"pan": [30.0, 42.0, 46.0, 4], "static": [35.0, 35.0, 35.0, 1]}
+    ours = {"by_family": family_means(run), "family_late": late}
+    pan = family_target(ours, "pan", "pan", 42)  # a mean of 40 with two rollouts above 42: not met
+    assert not pan["met"] and pan["detail"] == "40.00 (mean of 4; 30.0-46.0, 2 of 4 below 42)"
+    static = family_target(ours, "static", "still camera", 30)  # one rollout: that rollout decides
+    assert static["met"] and static["detail"] == "35.00" and static["target"] == "still camera, frames 128-256 >= 30 dB"
+    ours["family_late"]["pan"] = [43.0, 50.0]
+    assert family_target(ours, "pan", "pan", 42)["met"]
+    assert not family_target(ours, "revisit", "revisit", 30)["met"]  # no rollout of the family: not met
