@@ -61,7 +61,8 @@ and finished evaluations to its `partial/`: a rerun reuses the recipes fitted wi
 and the evaluations of unchanged recipes.
 With `--trajectories` a multiple of 7 each family has several trajectories (families in turn,
 each in its own room): their spread per family is a table of its own, since one trajectory per
-family is a single draw from a wide distribution (docs/results.md).
+family is a single draw from a wide distribution (docs/results.md), and the still-camera and pan
+targets count as met only if every rollout of the family meets them.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
 (`--ablations` and `--baselines` cut it to what the CPU time allows; `--name` writes a cut run
 under another name, e.g. `sink_code`).
