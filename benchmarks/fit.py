@@ -150,6 +150,7 @@ def rows_of(runs, rep) -> list[dict]:
     for name, run in runs.items():
         s = rep["schemes"][name]
         m = s["metrics"]
+        late = family_late(run)
         rows.append({
             "scheme": name,
             "bits": s["memory"]["bits_per_element"],
@@ -159,8 +160,8 @@ def rows_of(runs, rep) -> list[dict]:
             "flicker": m["flicker"]["all"]["mean"],
             "revisit": m["revisit"]["quant"],
             "revisit_fp": m["revisit"]["fp"],
-            "by_family": family_means(run),
-            "family_late": family_late(run),
+            "by_family": family_means(late),
+            "family_late": late,
             "regimes": m["psnr_by_regime"].get("128-256", {}),
             "twin": m["twin"],
         })
@@ -176,9 +177,9 @@ def family_late(run) -> dict[str, list[float]]:
     return late
 
 
-def family_means(run) -> dict[str, float]:
-    """Frames 128-256 PSNR vs fp per family, the mean over its trajectories."""
-    return {f: sum(v) / len(v) for f, v in family_late(run).items()}
+def family_means(late: dict[str, list[float]]) -> dict[str, float]:
+    """`family_late`'s lists -> the mean per family."""
+    return {f: sum(v) / len(v) for f, v in late.items()}
 
 
 def family_spread(late: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -292,8 +293,9 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
                   "each trajectory's frames 128-256; the table above is their mean:", "",
                   "| scheme | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
         spread = lambda s: "-" if s is None else f"{s[0]:.1f} / {s[1]:.1f} / {s[2]:.1f} ({s[3]})"
-        lines += [f"| {name} | " + " | ".join(spread(family_spread(r["family_late"]).get(f)) for f in fams) + " |"
-                  for name, r in by.items()]
+        for name, r in by.items():
+            of = family_spread(r["family_late"])
+            lines.append(f"| {name} | " + " | ".join(spread(of.get(f)) for f in fams) + " |")
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "

@@ -35,9 +35,9 @@ def test_a_familys_late_frames_give_its_mean_and_its_spread_over_trajectories():
     run = SimpleNamespace(trajs=[traj("pan", 40.0), traj("pan", 30.0), traj("pan", 44.0), traj("pan", 46.0),
                                  traj("static", 35.0), traj("orbit", 50.0, frames=128)])  # orbit: no late frames
     late = family_late(run)
-    assert family_means(run) == {"pan": 40.0, "static": 35.0}
+    assert family_means(late) == {"pan": 40.0, "static": 35.0}
     assert family_spread(late) == {"pan": [30.0, 42.0, 46.0, 4], "static": [35.0, 35.0, 35.0, 1]}
-    ours = {"by_family": family_means(run), "family_late": late}
+    ours = {"by_family": family_means(late), "family_late": late}
     pan = family_target(ours, "pan", "pan", 42)
     assert not pan["met"] and pan["detail"] == "40.00 (mean of 4; 30.0-46.0, 2 of 4 below 42)"
     static = family_target(ours, "static", "still camera", 30)  # one rollout: that rollout decides
