@@ -61,8 +61,10 @@ and finished evaluations to its `partial/`: a rerun reuses the recipes fitted wi
 and the evaluations of unchanged recipes.
 With `--trajectories` a multiple of 7 each family has several trajectories (families in turn,
 each in its own room): their spread per family is a table of its own, since one trajectory per
-family is a single draw from a wide distribution (docs/results.md), and the still-camera and pan
-targets count as met only if every rollout of the family meets them.
+family is a single draw from a wide distribution (docs/results.md); so is what each row trails
+`ours` by, rollout by rollout (mean +- standard error: whether an ablation's few tenths of a dB are
+more than the draw); and the still-camera and pan targets count as met only if every rollout of
+the family meets them.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
 (`--ablations` and `--baselines` cut it to what the CPU time allows; `--name` writes a cut run
 under another name, e.g. `sink_code`).
@@ -187,6 +189,20 @@ def family_spread(late: dict[str, list[float]]) -> dict[str, list[float]]:
     return {f: [min(v), statistics.median(v), max(v), len(v)] for f, v in late.items()}
 
 
+def paired_gain(ours_late: dict[str, list[float]], late: dict[str, list[float]]) -> dict | None:
+    """What `ours` gains over another scheme rollout by rollout (both `family_late` of the same
+    trajectories): the mean of ours - scheme over every rollout, its standard error, how many
+    rollouts ours leads in, the smallest and largest gain, and the mean gain per family. None
+    with fewer than two rollouts."""
+    per_family = {f: [a - b for a, b in zip(v, late.get(f, []), strict=True)] for f, v in ours_late.items()}
+    gains = [g for v in per_family.values() for g in v]
+    if len(gains) < 2:
+        return None
+    return {"mean": statistics.fmean(gains), "se": statistics.stdev(gains) / len(gains) ** 0.5, "n": len(gains),
+            "leads": sum(g > 0 for g in gains), "min": min(gains), "max": max(gains),
+            "by_family": {f: statistics.fmean(v) for f, v in per_family.items()}}
+
+
 def family_target(ours: dict, family: str, label: str, floor: float) -> dict:
     """A family's frames 128-256 >= `floor`: met by every one of its rollouts (one rollout: that one)."""
     late = ours["family_late"].get(family, [])
@@ -296,6 +312,7 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         for name, r in by.items():
             of = family_spread(r["family_late"])
             lines.append(f"| {name} | " + " | ".join(spread(of.get(f)) for f in fams) + " |")
+        lines += paired_lines(by, fams)
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "
@@ -311,6 +328,24 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
     lines += ["", "## What the fitter chose (default `ours`)", "", "```",
               json.dumps({k: v for k, v in records.get("ours", {}).items() if k != "layers"}, indent=1)[:5000], "```", ""]
     return "\n".join(lines)
+
+
+def paired_lines(by: dict, fams: list[str]) -> list[str]:
+    """What `ours` gains over every other row, rollout by rollout (`paired_gain`), frames 128-256."""
+    ours = by["ours"]["family_late"]
+    lines = ["", "What `ours` gains over each row, rollout by rollout on the same trajectories (frames 128-256, ours "
+             "minus the row: above 0 ours is better; for an ablation, what its mechanism earns): the mean over "
+             "every rollout +- its standard error, in how many rollouts ours leads, the smallest and largest gain, "
+             "and the mean gain per family:", "",
+             "| scheme | gain dB (mean +- s.e.) | ours leads in | min / max | " + " | ".join(fams) + " |",
+             "|---|---|---|---|" + "---|" * len(fams)]
+    for name, r in by.items():
+        g = None if name == "ours" else paired_gain(ours, r["family_late"])
+        if g is not None:
+            lines.append(f"| {name} | {g['mean']:+.2f} +- {g['se']:.2f} | {g['leads']} of {g['n']} | "
+                         f"{g['min']:+.1f} / {g['max']:+.1f} | "
+                         + " | ".join(f"{g['by_family'][f]:+.1f}" for f in fams) + " |")
+    return lines
 
 
 def twin_lines(by: dict, fams: list[str]) -> list[str]:

@@ -47,3 +47,16 @@ def test_a_familys_late_frames_give_its_mean_and_its_spread_over_trajectories():
     ours["family_late"]["pan"] = [43.0, 48.0]
     assert family_target(ours, "pan", "pan", 42)["met"]
     assert not family_target(ours, "revisit", "revisit", 30)["met"]  # no rollout of the family: not met
+
+
+def test_what_ours_gains_is_paired_rollout_by_rollout():
+    from benchmarks.fit import paired_gain
+
+    ours = {"pan": [40.0, 50.0], "static": [30.0]}
+    g = paired_gain(ours, {"pan": [38.0, 51.0], "static": [27.0]})  # gains 2, -1, 3
+    assert g["mean"] == pytest.approx(4 / 3) and g["n"] == 3 and g["leads"] == 2
+    assert g["se"] == pytest.approx((13 / 3) ** 0.5 / 3 ** 0.5)  # sample variance (4/9 + 49/9 + 25/9) / 2 = 13/3
+    assert (g["min"], g["max"]) == (-1.0, 3.0) and g["by_family"] == {"pan": 0.5, "static": 3.0}
+    assert paired_gain({"pan": [40.0]}, {"pan": [38.0]}) is None  # one rollout: no spread to pair
+    with pytest.raises(ValueError):  # rows of different trajectory sets never pair silently
+        paired_gain(ours, {"pan": [38.0], "static": [27.0]})
