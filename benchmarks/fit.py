@@ -164,6 +164,7 @@ def rows_of(runs, rep) -> list[dict]:
             "revisit_fp": m["revisit"]["fp"],
             "by_family": family_means(late),
             "family_late": late,
+            "family_flicker": family_flicker(run),
             "regimes": m["psnr_by_regime"].get("128-256", {}),
             "twin": m["twin"],
         })
@@ -177,6 +178,14 @@ def family_late(run) -> dict[str, list[float]]:
         if len(r.series["psnr_ref"]) > 128:
             late.setdefault(r.family, []).append(float(r.series["psnr_ref"][128:256].mean()))
     return late
+
+
+def family_flicker(run) -> dict[str, list[float]]:
+    """The flicker of each trajectory (its mean over the rollout, as the flicker column), by family."""
+    out: dict[str, list[float]] = {}
+    for r in run.trajs:
+        out.setdefault(r.family, []).append(float(r.series["flicker"].mean()))
+    return out
 
 
 def family_means(late: dict[str, list[float]]) -> dict[str, float]:
@@ -201,6 +210,17 @@ def paired_gain(ours_late: dict[str, list[float]], late: dict[str, list[float]])
     return {"mean": statistics.fmean(gains), "se": statistics.stdev(gains) / len(gains) ** 0.5, "n": len(gains),
             "leads": sum(g > 0 for g in gains), "min": min(gains), "max": max(gains),
             "by_family": {f: statistics.fmean(v) for f, v in per_family.items()}}
+
+
+def paired_flicker(ours_flicker: dict[str, list[float]], flicker: dict[str, list[float]]) -> dict | None:
+    """How much more another scheme flickers than `ours`, rollout by rollout (both `family_flicker`
+    of the same trajectories): the mean of row / ours - 1, its standard error, and in how many
+    rollouts the row flickers more. None with fewer than two rollouts."""
+    ratios = [b / a - 1 for f, v in ours_flicker.items() for a, b in zip(v, flicker.get(f, []), strict=True)]
+    if len(ratios) < 2:
+        return None
+    return {"mean": statistics.fmean(ratios), "se": statistics.stdev(ratios) / len(ratios) ** 0.5,
+            "more": sum(r > 0 for r in ratios), "n": len(ratios)}
 
 
 def family_target(ours: dict, family: str, label: str, floor: float) -> dict:
@@ -336,15 +356,18 @@ def paired_lines(by: dict, fams: list[str]) -> list[str]:
     lines = ["", "What `ours` gains over each row, rollout by rollout on the same trajectories (frames 128-256, ours "
              "minus the row: above 0 ours is better; for an ablation, what its mechanism earns): the mean over "
              "every rollout +- its standard error, in how many rollouts ours leads, the smallest and largest gain, "
-             "and the mean gain per family:", "",
-             "| scheme | gain dB (mean +- s.e.) | ours leads in | min / max | " + " | ".join(fams) + " |",
-             "|---|---|---|---|" + "---|" * len(fams)]
+             "and the mean gain per family; then how much more the row flickers than ours over the whole rollout "
+             "(row / ours - 1, mean +- standard error, and in how many rollouts it flickers more):", "",
+             "| scheme | gain dB (mean +- s.e.) | ours leads in | min / max | " + " | ".join(fams)
+             + " | more flicker | flickers more in |", "|---|---|---|---|" + "---|" * (len(fams) + 2)]
     for name, r in by.items():
         g = None if name == "ours" else paired_gain(ours, r["family_late"])
         if g is not None:
+            fl = paired_flicker(by["ours"]["family_flicker"], r["family_flicker"])
             lines.append(f"| {name} | {g['mean']:+.2f} +- {g['se']:.2f} | {g['leads']} of {g['n']} | "
                          f"{g['min']:+.1f} / {g['max']:+.1f} | "
-                         + " | ".join(f"{g['by_family'][f]:+.1f}" for f in fams) + " |")
+                         + " | ".join(f"{g['by_family'][f]:+.1f}" for f in fams)
+                         + f" | {100 * fl['mean']:+.1f}% +- {100 * fl['se']:.1f}% | {fl['more']} of {fl['n']} |")
     return lines
 
 

@@ -60,3 +60,18 @@ def test_what_ours_gains_is_paired_rollout_by_rollout():
     assert paired_gain({"pan": [40.0]}, {"pan": [38.0]}) is None  # one rollout: no spread to pair
     with pytest.raises(ValueError):  # rows of different trajectory sets never pair silently
         paired_gain(ours, {"pan": [38.0], "static": [27.0]})
+
+
+def test_how_much_more_a_row_flickers_is_paired_rollout_by_rollout():
+    from benchmarks.fit import paired_flicker
+
+    ours = {"pan": [0.002, 0.004], "static": [0.001]}
+    f = paired_flicker(ours, {"pan": [0.003, 0.004], "static": [0.0009]})  # row / ours - 1: +50%, 0, -10%
+    assert f["mean"] == pytest.approx(0.4 / 3) and f["more"] == 1 and f["n"] == 3
+    assert f["se"] == pytest.approx(statistics_stdev([0.5, 0.0, -0.1]) / 3 ** 0.5)
+    assert paired_flicker({"pan": [0.002]}, {"pan": [0.003]}) is None
+
+
+def statistics_stdev(xs):
+    m = sum(xs) / len(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
