@@ -62,8 +62,8 @@ and the evaluations of unchanged recipes.
 With `--trajectories` a multiple of 7 each family has several trajectories (families in turn,
 each in its own room): their spread per family is a table of its own, since one trajectory per
 family is a single draw from a wide distribution (docs/results.md); so is what each row trails
-`ours` by, rollout by rollout (mean +- standard error: whether an ablation's few tenths of a dB are
-more than the draw); and the still-camera and pan targets count as met only if every rollout of
+`ours` by, rollout by rollout, late and in flicker (mean +- standard error: whether an ablation's
+few tenths of a dB are more than the draw); and the still-camera and pan targets count as met only if every rollout of
 the family meets them.
 `--model wanworld` runs the same on another conf/model preset and writes `fit_wanworld.md`
 (`--ablations` and `--baselines` cut it to what the CPU time allows; `--name` writes a cut run
@@ -351,7 +351,8 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
 
 
 def paired_lines(by: dict, fams: list[str]) -> list[str]:
-    """What `ours` gains over every other row, rollout by rollout (`paired_gain`), frames 128-256."""
+    """What `ours` gains over every other row, rollout by rollout: frames 128-256 (`paired_gain`) and
+    flicker (`paired_flicker`)."""
     ours = by["ours"]["family_late"]
     lines = ["", "What `ours` gains over each row, rollout by rollout on the same trajectories (frames 128-256, ours "
              "minus the row: above 0 ours is better; for an ablation, what its mechanism earns): the mean over "
