@@ -93,7 +93,7 @@ from calibrate.config import CONF_DIR, TrajectoriesConfig, to_config
 from calibrate.evaluate import report as report_mod
 from calibrate.evaluate.run import evaluate
 from calibrate.fastcache import FastKVCache, fast_path_problem
-from calibrate.io import write_text_atomic
+from calibrate.io import write_atomic, write_text_atomic
 from calibrate.recipe import Recipe, TensorSpec, load_recipe, save_recipe
 from calibrate.replay import rollout_batch
 from calibrate.world.trajectories import make_trajectories
@@ -283,7 +283,8 @@ def frame_times(world, recipes: dict[str, Recipe], device, window: int, sink_fra
     return out
 
 
-def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg, reused=(), unrunnable=None) -> str:
+def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames, cfg, reused=(), unrunnable=None,
+             stem="fit") -> str:
     def fmt(x, f=".2f"):
         return "-" if x is None else format(x, f)
 
@@ -332,7 +333,7 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         for name, r in by.items():
             of = family_spread(r["family_late"])
             lines.append(f"| {name} | " + " | ".join(spread(of.get(f)) for f in fams) + " |")
-        lines += paired_lines(by, fams)
+        lines += paired_lines(by, fams, f"{stem}_gains.png")
     if sources:
         lines += ["", "`ours` with one tensor held in float16 instead (the gain says how much of the error that tensor "
                   "carries; the bytes grow); the last two columns are frames 128-256 of the two families the issue "
@@ -350,15 +351,16 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
     return "\n".join(lines)
 
 
-def paired_lines(by: dict, fams: list[str]) -> list[str]:
+def paired_lines(by: dict, fams: list[str], plot: str) -> list[str]:
     """What `ours` gains over every other row, rollout by rollout: frames 128-256 (`paired_gain`) and
-    flicker (`paired_flicker`)."""
+    flicker (`paired_flicker`); `plot` names the file of `plot_paired`."""
     ours = by["ours"]["family_late"]
     lines = ["", "What `ours` gains over each row, rollout by rollout on the same trajectories (frames 128-256, ours "
              "minus the row: above 0 ours is better; for an ablation, what its mechanism earns): the mean over "
              "every rollout +- its standard error, in how many rollouts ours leads, the smallest and largest gain, "
              "and the mean gain per family; then how much more the row flickers than ours over the whole rollout "
-             "(row / ours - 1, mean +- standard error, and in how many rollouts it flickers more):", "",
+             f"(row / ours - 1, mean +- standard error, and in how many rollouts it flickers more). Every "
+             f"rollout's gain, coloured by family: `{plot}`.", "",
              "| scheme | gain dB (mean +- s.e.) | ours leads in | min / max | " + " | ".join(fams)
              + " | more flicker | flickers more in |", "|---|---|---|---|" + "---|" * (len(fams) + 2)]
     for name, r in by.items():
@@ -370,6 +372,32 @@ def paired_lines(by: dict, fams: list[str]) -> list[str]:
                          + " | ".join(f"{g['by_family'][f]:+.1f}" for f in fams)
                          + f" | {100 * fl['mean']:+.1f}% +- {100 * fl['se']:.1f}% | {fl['more']} of {fl['n']} |")
     return lines
+
+
+def plot_paired(by: dict, path: Path) -> None:
+    """Each rollout's gain of `ours` over each other row (frames 128-256), one dot per rollout
+    coloured by family: where a mean hides a trade, the dots show it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ours = by["ours"]["family_late"]
+    names = [n for n in by if n != "ours"][::-1]  # the first row on top
+    fig = Figure(figsize=(8, 0.45 * len(names) + 1.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours = dict(zip(ours, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:grey")))
+    for y, name in enumerate(names):
+        for i, (family, values) in enumerate(ours.items()):
+            gains = [a - b for a, b in zip(values, by[name]["family_late"][family], strict=True)]
+            jitter = [y + 0.3 * ((i + 0.5) / len(ours) - 0.5)] * len(gains)
+            ax.scatter(gains, jitter, s=10, color=colours.get(family, "black"), label=family if y == 0 else None)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("ours minus the row, frames 128-256, dB (one dot per rollout; right of 0: ours better)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.legend(fontsize=7, ncol=len(ours), loc="lower center")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def twin_lines(by: dict, fams: list[str]) -> list[str]:
@@ -473,10 +501,12 @@ def main(argv=None) -> int:
                     "detail": "flagged" if trap.get("ours") else "not flagged"})
     times = frame_times(as_world(model), recipes, device, cfg.model.cache.window, cfg.model.cache.sink_frames)
     command = command_line("fit", argv)
-    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
-                  unrunnable)
     out = Path(args.out)
     stem = args.name or report_name("fit", args.model)
+    md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
+                  unrunnable, stem)
+    if max(map(len, by["ours"]["family_late"].values())) > 1 and len(by) > 1:  # the paired table's plot
+        plot_paired(by, out / f"{stem}_gains.png")
     write_text_atomic(out / f"{stem}.md", md)
     write_text_atomic(out / f"{stem}.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,
                                                     "fit": records}, indent=1, sort_keys=True, default=str))

@@ -75,3 +75,17 @@ def test_how_much_more_a_row_flickers_is_paired_rollout_by_rollout():
 def statistics_stdev(xs):
     m = sum(xs) / len(xs)
     return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+
+
+def test_the_paired_plot_is_one_png_written_whole(tmp_path):
+    from benchmarks.fit import plot_paired
+
+    by = {"ours": {"family_late": {"pan": [40.0, 50.0], "static": [30.0, 31.0]}},
+          "ours_x": {"family_late": {"pan": [38.0, 51.0], "static": [27.0, 30.0]}}}
+    plot_paired(by, tmp_path / "gains.png")
+    assert (tmp_path / "gains.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["gains.png"]  # no temporary file left
+    by["ours_x"]["family_late"]["pan"] = [38.0]  # another trajectory set: refused, not plotted
+    with pytest.raises(ValueError):
+        plot_paired(by, tmp_path / "other.png")
+    assert not (tmp_path / "other.png").exists()
