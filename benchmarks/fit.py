@@ -444,6 +444,10 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="the report's name (default: fit, or fit_<model>)")
     args = p.parse_args(argv)
     t0 = time.time()
+    if args.frames <= 128:
+        print(f"error: --frames {args.frames}: the report is about frames 128-256 (its targets, families and pairs), "
+              "so rollouts need more than 128 frames", file=sys.stderr)
+        return 2
     if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
         print(f"error: --name {args.name!r}: letters, digits, _ and - only (a file name under --out)", file=sys.stderr)
         return 2

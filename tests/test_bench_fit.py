@@ -15,6 +15,13 @@ def test_bad_ablations_exit_2_with_one_line(ablations, says, tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing written, nothing fitted
 
 
+def test_rollouts_too_short_for_the_late_window_exit_2_before_any_fit(tmp_path, capsys):
+    assert main(["--frames", "96", "--out", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --frames 96")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_report_name_that_is_not_a_plain_file_name_exits_2(tmp_path, capsys):
     assert main(["--name", "../fit", "--out", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
