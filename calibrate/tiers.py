@@ -45,9 +45,8 @@ recall by pose: `recall="pose"` needs 3 rotary coordinates per frame and is refu
 (one line, exit 2). They may still use a plan without recall (window, sinks, budget).
 
 `Tiers` is a runtime's companion and knows no runtime: each runtime hands it the host form of a
-frame leaving its window (`evicted`) and a slot's device buffers to recall into (`recall`); the
-runtime (fastcache.py) and the tests' oracle (tests/reference_runtime.py) run the same plan, frame
-for frame.
+frame leaving its window (`evicted`) and a slot's device buffers to recall into (`recall`): the
+runtime (fastcache.py) does, its stores in their own layouts.
 """
 
 from __future__ import annotations

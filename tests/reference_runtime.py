@@ -16,9 +16,10 @@ until evicted:
   `rotary_coords > 0` are stored before the rotary encoding with their frame's coordinates;
 - span state (kind "prq"): the first frame of a span coded below 16 bits fits the centroids; a
   deferred span holds its frames in float16 until its last frame is in (`_complete_span`);
-- the key-noise logit correction (`logit_bias`) and the Jensen-bias correction (`jensen`);
-- a memory plan's tiers (tiers.py): frames leaving the window go to the host tier as
-  self-contained codes, recalled into slots that attention reads with the window.
+- the key-noise logit correction (`logit_bias`) and the Jensen-bias correction (`jensen`).
+
+It runs no memory plan: the runtime's tiers are held to properties of their own (tests/test_tiers.py:
+a recalled slot holds its host frame's bytes and decodes to what that frame decoded to in the window).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from calibrate.quant.fields import FieldLayout
 from calibrate.quant.jensen import jensen_bias
 from calibrate.quant.logit_noise import logit_inflation
 from calibrate.recipe import Recipe, TensorSpec
-from calibrate.tiers import SLOT_BASE, Tiers, device_window, predicted_bytes, tree_map
+from calibrate.tiers import predicted_bytes
 
 States = dict[int, list[Tensor]]  # frame index -> integer states per head, of one predictive tensor
 
 
 class ReferenceCache(KVCache):
     def __init__(self, recipe: Recipe, window: int = 16, sink_frames: int = 1, device: str | torch.device = "cpu"):
-        window, sink_frames = device_window(recipe, window, sink_frames)  # a memory plan decides them
+        if recipe.scheme.policy.plan is not None:
+            raise ValueError("the tests' oracle runs no memory plan (tests/test_tiers.py tests the runtime's)")
         super().__init__(recipe.model.num_layers, window, sink_frames)
         if recipe.scheme.policy.keyframe_interval < 0:
             raise ValueError(f"policy.keyframe_interval must be >= 1 (or 0 = no key frames), "
@@ -66,9 +68,6 @@ class ReferenceCache(KVCache):
         self._step_states: dict[int, dict[str, States]] = {}
         # per layer: (kind, head, span) -> the span's state (codec.fit_span_state)
         self._span_states: list[dict[tuple[str, int, int], Tensor]] = [{} for _ in range(recipe.model.num_layers)]
-        self.tiers = Tiers.of(recipe, self.device)
-        self._slots: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # recall slot -> its record
-        self._slot_states: list[dict[int, dict]] = [{} for _ in range(self.num_layers)]  # slot -> kind -> states
         self._references: dict[tuple[int, str], list[dict]] = {}  # a sink refresh's held reference per head
 
     @classmethod
@@ -204,10 +203,6 @@ class ReferenceCache(KVCache):
         to its final precision, evict, and re-store as anchors the chain frames whose
         predecessor was evicted."""
         held, index, R = self._frames[layer], self._num_appended[layer], self.policy.recent_frames
-        if self.tiers is not None:
-            self.tiers.before_append(layer, index, key_rope)
-            for s in self._slots[layer]:  # recall slots out of the way of the window's bookkeeping
-                held.pop(SLOT_BASE + s, None)
         k_in, extra = self._key_input(layer, k_BHTD, key_rope)
         if index == 0:  # a sink refresh's reference is held from the first frame on, 0 until the sink is coded
             B, _, T, D = v_BHTD.shape
@@ -244,54 +239,12 @@ class ReferenceCache(KVCache):
                     record[kind] = [c.anchor(v, s.get("holds"))
                                     for c, v, s in zip(self._chains[(layer, kind)], kind_states[f], record[kind])]
         for old in [f for f in held if f not in keep]:
-            if self.tiers is not None:  # to the host tier, self-contained
-                self.tiers.evicted(layer, old, self._host_form(layer, held[old], {k: s.get(old) for k, s in states.items()}))
             del held[old]
             for kind_states in states.values():
                 kind_states.pop(old, None)
         self._step_states[layer] = states
         self._release_spans(layer)
-        if self.tiers is not None:
-            self._recall(layer, index)
         return index
-
-    # ---- a memory plan's tiers (tiers.py) ----------------------------------------------------------
-    def _host_form(self, layer: int, record: dict, states: dict) -> dict:
-        """A frame leaving the window, self-contained: a predictive delta frame as the anchor of its states."""
-        host = {"bits": "final", **({"coords": record["coords"]} if "coords" in record else {})}
-        for kind in KINDS:
-            chains = self._chains.get((layer, kind))
-            if chains is not None and self.spec(layer, kind).temporal:
-                host[kind] = [stored if "anchor" in stored else c.anchor(v, stored.get("holds"))
-                              for c, stored, v in zip(chains, record[kind], states[kind])]
-            else:
-                assert record["bits"] != "recent", "check_plan keeps the recent window inside the device window"
-                host[kind] = record[kind]
-        return host
-
-    def _recall(self, layer: int, index: int) -> None:
-        """Fill the layer's slots with this step's selection and hold them as frames SLOT_BASE + s."""
-        slots, slot_states = self._slots[layer], self._slot_states[layer]
-
-        def slot_record(s: int, like: dict) -> dict:
-            if s not in slots:
-                slots[s] = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device), like)
-            return slots[s]
-
-        for s in self.tiers.recall(layer, index, slot_record):
-            slot_states.pop(s, None)
-        held, step_states = self._frames[layer], self._step_states.get(layer, {})
-        for s, record in slots.items():
-            held[SLOT_BASE + s] = record
-            for kind, kind_states in step_states.items():  # the states of a predictive anchor
-                known = slot_states.setdefault(s, {})
-                if kind not in known:
-                    known[kind] = [c.states(stored, None) for c, stored in zip(self._chains[(layer, kind)], record[kind])]
-                kind_states[SLOT_BASE + s] = known[kind]
-
-    def expect(self, coords_BP: Tensor) -> None:
-        if self.tiers is not None:
-            self.tiers.query = coords_BP
 
     def read(self, layer: int, frames: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """Post-rotary keys and values of `frames` (default: all held), oldest first."""
