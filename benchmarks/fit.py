@@ -201,15 +201,15 @@ def family_spread(late: dict[str, list[float]]) -> dict[str, list[float]]:
 def paired_gain(ours_late: dict[str, list[float]], late: dict[str, list[float]]) -> dict | None:
     """What `ours` gains over another scheme rollout by rollout (both `family_late` of the same
     trajectories): the mean of ours - scheme over every rollout, its standard error, how many
-    rollouts ours leads in, the smallest and largest gain, and the mean gain per family. None
-    with fewer than two rollouts."""
+    rollouts ours leads in, the smallest and largest gain, each rollout's gain and the mean gain
+    per family. None with fewer than two rollouts."""
     per_family = {f: [a - b for a, b in zip(v, late.get(f, []), strict=True)] for f, v in ours_late.items()}
     gains = [g for v in per_family.values() for g in v]
     if len(gains) < 2:
         return None
     return {"mean": statistics.fmean(gains), "se": statistics.stdev(gains) / len(gains) ** 0.5, "n": len(gains),
             "leads": sum(g > 0 for g in gains), "min": min(gains), "max": max(gains),
-            "by_family": {f: statistics.fmean(v) for f, v in per_family.items()}}
+            "per_family": per_family, "by_family": {f: statistics.fmean(v) for f, v in per_family.items()}}
 
 
 def paired_flicker(ours_flicker: dict[str, list[float]], flicker: dict[str, list[float]]) -> dict | None:
@@ -221,6 +221,11 @@ def paired_flicker(ours_flicker: dict[str, list[float]], flicker: dict[str, list
         return None
     return {"mean": statistics.fmean(ratios), "se": statistics.stdev(ratios) / len(ratios) ** 0.5,
             "more": sum(r > 0 for r in ratios), "n": len(ratios)}
+
+
+def several_per_family(by: dict) -> bool:
+    """Does some family have more than one trajectory (the spread and the paired tables and plot)?"""
+    return max(map(len, by["ours"]["family_late"].values())) > 1
 
 
 def family_target(ours: dict, family: str, label: str, floor: float) -> dict:
@@ -325,7 +330,7 @@ def markdown(by, tgts, sources, times, records, command, elapsed, ntraj, frames,
         moving, frozen = r["regimes"].get("moving", {}), r["regimes"].get("frozen", {})
         lines.append(f"| {name} | " + " | ".join(fmt(r["by_family"].get(f)) for f in fams)
                      + f" | {fmt(moving.get('mean'))} | {fmt(frozen.get('mean'))} | {fmt(moving.get('motion_kept'))} |")
-    if max(map(len, by["ours"]["family_late"].values())) > 1:  # several trajectories per family
+    if several_per_family(by):
         lines += ["", "The same per family across its trajectories (different rooms and paths): min / median / max of "
                   "each trajectory's frames 128-256; the table above is their mean:", "",
                   "| scheme | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
@@ -387,8 +392,8 @@ def plot_paired(by: dict, path: Path) -> None:
     ax = fig.add_subplot()
     colours = dict(zip(ours, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:grey")))
     for y, name in enumerate(names):
-        for i, (family, values) in enumerate(ours.items()):
-            gains = [a - b for a, b in zip(values, by[name]["family_late"][family], strict=True)]
+        per_family = paired_gain(ours, by[name]["family_late"])["per_family"]
+        for i, (family, gains) in enumerate(per_family.items()):
             jitter = [y + 0.3 * ((i + 0.5) / len(ours) - 0.5)] * len(gains)
             ax.scatter(gains, jitter, s=10, color=colours.get(family, "black"), label=family if y == 0 else None)
     ax.axvline(0, color="black", linewidth=0.8)
@@ -509,7 +514,7 @@ def main(argv=None) -> int:
     stem = args.name or report_name("fit", args.model)
     md = markdown(by, tgts, src, times, records, command, time.time() - t0, len(trajs), args.frames, cfg, reused,
                   unrunnable, stem)
-    if max(map(len, by["ours"]["family_late"].values())) > 1 and len(by) > 1:  # the paired table's plot
+    if several_per_family(by) and len(by) > 1:  # the paired table's plot
         plot_paired(by, out / f"{stem}_gains.png")
     write_text_atomic(out / f"{stem}.md", md)
     write_text_atomic(out / f"{stem}.json", json.dumps({"rows": by, "sources": src, "targets": tgts, "ms_per_frame": times,

@@ -130,9 +130,10 @@ def reference_of(cache) -> int:
 
 def seen_values(cache, seen):
     """Record the post-rotary K/V of every frame each layer holds now, under the current reference."""
+    reference = reference_of(cache)
     for layer in range(L):
         for f in cache.frame_indices(layer):
-            seen[(layer, f, reference_of(cache))] = cache.read(layer, [f])
+            seen[(layer, f, reference)] = cache.read(layer, [f])
 
 
 def recalled(cache, layer):
@@ -145,7 +146,7 @@ def assert_slots_hold(cache, seen, layer) -> int:
     """Each filled slot holds its host frame's very bytes and decodes to what that frame decoded to
     on the device under the same reference (the same states, another path: anchors or standalone
     codes instead of the chain); returns how many slots' values it compared."""
-    store, assign, compared = cache.stores[layer], cache.tiers._assign, 0
+    store, assign, compared, reference = cache.stores[layer], cache.tiers._assign, 0, reference_of(cache)
     if not assign:
         return 0
     k, v = recalled(cache, layer)
@@ -156,8 +157,8 @@ def assert_slots_hold(cache, seen, layer) -> int:
             for name in views:
                 for mine, held in zip(tree_leaves(views[name]), tree_leaves(host[name]), strict=True):
                     assert torch.equal(mine[b], held[b]), (layer, s, b, name)
-            if (layer, f, reference_of(cache)) in seen:
-                k_f, v_f = seen[(layer, f, reference_of(cache))]
+            if (layer, f, reference) in seen:
+                k_f, v_f = seen[(layer, f, reference)]
                 torch.testing.assert_close(k[b, :, s * T:(s + 1) * T], k_f[b])
                 torch.testing.assert_close(v[b, :, s * T:(s + 1) * T], v_f[b])
                 compared += 1
